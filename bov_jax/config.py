@@ -1,0 +1,162 @@
+"""The configuration schema, its defaults, and the checks run before anything is built.
+
+Config files in `configs/` start from `base_config()` and change what differs;
+every field can be overridden on the command line (`--config.model.n_layer=4`).
+Field names follow the reference (nanochat) where it has one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_collections
+from ml_collections import config_dict
+
+from bov_jax import values
+
+
+class ConfigError(ValueError):
+  """A setting has a value the code cannot run with."""
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+
+  c.model = m = ml_collections.ConfigDict()
+  m.n_layer = 12
+  m.n_embd = 768
+  m.n_head = 6
+  m.n_kv_head = 6
+  m.sequence_len = 2048
+  m.vocab_size = 32768
+  m.window_pattern = "SSSL"
+  m.short_window = 0          # 0: the reference's rule, ceil((T // 4) / 128) * 128
+  m.dtype = "float32"         # compute dtype (bfloat16 on accelerators)
+  m.param_dtype = "float32"   # master weights
+  m.value = v = ml_collections.ConfigDict()
+  v.preset = ""               # a reference model_type name; sets the four below
+  v.source = config_dict.placeholder(str)    # residual | x0 | v1 | table
+  v.combine = config_dict.placeholder(str)   # replace | add | gated_add | scale
+  v.coeff = config_dict.placeholder(str)     # fixed | learned
+  v.layers = config_dict.placeholder(str)    # last_third | every_other | ... | "8,9"
+  v.shared_table = config_dict.placeholder(bool)
+
+  c.train = t = ml_collections.ConfigDict()
+  t.batch_tokens = 524288     # tokens per optimizer step (all devices, all micro-batches)
+  t.device_batch_size = 16    # rows per device per micro-batch
+  t.target_flops = 1.5e18     # sets num_iterations (SPEC section 3)
+  t.num_iterations = 0        # > 0 overrides the FLOP budget
+  t.seed = 0
+  t.eval_every = 250
+  t.eval_tokens = 1048576     # held-out tokens per validation bpb
+  t.log_every = 1
+  t.checkpoint_every = 1000
+  t.keep_checkpoints = 3
+  t.sample_tokens = 64        # generated at the end of a run
+
+  c.optim = o = ml_collections.ConfigDict()
+  o.embedding_lr = 0.3
+  o.unembedding_lr = 0.008
+  o.matrix_lr = 0.02
+  o.scalar_lr = 0.5
+  o.weight_decay = 0.28
+  o.warmup_steps = 40
+  o.warmdown_ratio = 0.65
+  o.final_lr_frac = 0.05
+
+  c.data = d = ml_collections.ConfigDict()
+  d.corpus = "embedded"       # embedded | a path (text, JSONL, Parquet) or glob
+  d.tokenizer_vocab = 0       # 0: model.vocab_size
+
+  c.mesh = ms = ml_collections.ConfigDict()
+  ms.data = -1
+  ms.fsdp = 1
+  ms.tensor = 1
+  return c
+
+
+def depth_config(depth: int, preset: str = "gpt_base") -> ml_collections.ConfigDict:
+  """The paper's shapes from depth (the reference's --depth): d = ceil(64 depth / 128) * 128,
+  H = H_kv = d / 128, T = 2048, |V| = 32768, SSSL, bf16 compute.
+
+  The optimizer settings stay at their d12 base values: the code scales them by
+  batch size and width (SPEC section 4), which gives Table 6's d24 numbers.
+  """
+  c = base_config()
+  d = int(math.ceil(depth * 64 / 128) * 128)
+  c.model.n_layer = depth
+  c.model.n_embd = d
+  c.model.n_head = c.model.n_kv_head = d // 128
+  c.model.dtype = "bfloat16"
+  c.model.value.preset = preset
+  return c
+
+
+def short_window(cfg) -> int:
+  T = cfg.model.sequence_len
+  if cfg.model.short_window > 0:
+    return cfg.model.short_window
+  return int(math.ceil((T // 4) / 128) * 128)
+
+
+def window_sizes(cfg) -> list[int]:
+  """Per-layer attention window w: query i sees key j iff 0 <= i - j <= w."""
+  pattern = cfg.model.window_pattern.upper()
+  T = cfg.model.sequence_len
+  sizes = {"L": T, "S": short_window(cfg)}
+  ws = [sizes[pattern[i % len(pattern)]] for i in range(cfg.model.n_layer)]
+  ws[-1] = T  # the last layer always sees the full context
+  return ws
+
+
+def head_dim(cfg) -> int:
+  return cfg.model.n_embd // cfg.model.n_head
+
+
+def value_mode(cfg) -> values.ValueMode:
+  return values.resolve(cfg.model.value, cfg.model.n_layer)
+
+
+def _positive(name, value):
+  if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    raise ConfigError(f"{name}={value!r}: expected a positive integer")
+
+
+def validate(cfg) -> values.ValueMode:
+  """Checks the whole config; returns the resolved value mode."""
+  m = cfg.model
+  for name in ("n_layer", "n_embd", "n_head", "n_kv_head", "sequence_len", "vocab_size"):
+    _positive(f"model.{name}", m[name])
+  if m.n_embd % m.n_head:
+    raise ConfigError(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
+  if m.n_head % m.n_kv_head:
+    raise ConfigError(
+        f"model.n_head={m.n_head} must be a multiple of model.n_kv_head={m.n_kv_head} (GQA)")
+  if (m.n_embd // m.n_head) % 2:
+    raise ConfigError(
+        f"head dim model.n_embd/model.n_head={m.n_embd // m.n_head} must be even (rotary)")
+  pattern = str(m.window_pattern).upper()
+  if not pattern or set(pattern) - {"S", "L"}:
+    raise ConfigError(
+        f"model.window_pattern={m.window_pattern!r}: expected a string of S and L such as 'SSSL'")
+  if m.short_window < 0:
+    raise ConfigError(f"model.short_window={m.short_window}: expected >= 0 (0 = reference rule)")
+  for name in ("dtype", "param_dtype"):
+    if m[name] not in DTYPES:
+      raise ConfigError(f"model.{name}={m[name]!r}: expected one of {', '.join(DTYPES)}")
+  mode = values.resolve(m.value, m.n_layer)
+  if mode.combine == "gated_add" and m.n_embd < values.GATE_CHANNELS:
+    raise ConfigError(
+        f"model.value.combine='gated_add' reads {values.GATE_CHANNELS} channels; "
+        f"model.n_embd={m.n_embd} is smaller")
+  t = cfg.train
+  _positive("train.batch_tokens", t.batch_tokens)
+  _positive("train.device_batch_size", t.device_batch_size)
+  if t.num_iterations < 0:
+    raise ConfigError(f"train.num_iterations={t.num_iterations}: expected >= 0 (0 = from budget)")
+  if t.num_iterations == 0 and not t.target_flops > 0:
+    raise ConfigError("train.target_flops must be > 0 when train.num_iterations is 0")
+  return mode

@@ -1,0 +1,51 @@
+"""Entry point: `python -m bov_jax.main --config=FILE [--workdir=DIR] [--mode=MODE]`.
+
+Flags and mode dispatch only; each mode lives in its own module.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+MODES = ("train", "plan", "eval", "sample")
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections config file.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, tokenizer).")
+_MODE = flags.DEFINE_enum("mode", "train", MODES, "What to do.")
+
+
+def _print_json(obj) -> None:
+  print(json.dumps(obj), flush=True)
+
+
+def run(mode: str, cfg, workdir: str | None) -> int:
+  from bov_jax import config as config_lib
+  try:
+    config_lib.validate(cfg)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if mode == "plan":
+    from bov_jax import plan
+    _print_json(plan.make_plan(cfg))
+    return 0
+  print(f"error: --mode={mode} is not yet available in this version of bov_jax "
+        f"(available: plan)", file=sys.stderr)
+  return 2
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _CONFIG.value is None:
+    raise app.UsageError("--config=FILE is required (for example configs/tiny.py)")
+  sys.exit(run(_MODE.value, _CONFIG.value, _WORKDIR.value))
+
+
+if __name__ == "__main__":
+  app.run(main)

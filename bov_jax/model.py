@@ -1,0 +1,314 @@
+"""The GPT model of the paper (SPEC section 1) with every value mode (section 2).
+
+Shapes are suffixed: B batch, T query positions, S key positions, D model width,
+H query heads, K kv heads, G = H / K query heads per kv head, E head dim,
+V (padded) vocabulary, F MLP width.
+
+Parameters carry logical axis names (`logical=`); sharding.py maps them to mesh
+axes. Modules create zero-filled parameters; `init_weights` is the whole
+initialisation in one function, as in nanochat.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bov_jax import config as config_lib
+from bov_jax import values
+
+SMEAR_CHANNELS = 24
+QK_NORM_SCALE = 1.2
+ROPE_BASE = 100000.0
+SOFTCAP = 15.0
+
+
+def rmsnorm(x):
+  """Parameter-free RMSNorm, eps = machine epsilon of x's dtype (torch's default)."""
+  eps = jnp.finfo(x.dtype).eps
+  xf = x.astype(jnp.float32)
+  return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def rotary(x_BTNE, pos_BT):
+  """Half-split rotary embedding: y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos."""
+  E = x_BTNE.shape[-1]
+  inv_freq = 1.0 / (ROPE_BASE ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))
+  angle = pos_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, E/2]
+  cos = jnp.cos(angle)[:, :, None, :].astype(x_BTNE.dtype)
+  sin = jnp.sin(angle)[:, :, None, :].astype(x_BTNE.dtype)
+  x1, x2 = x_BTNE[..., : E // 2], x_BTNE[..., E // 2:]
+  return jnp.concatenate([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], axis=-1)
+
+
+def attend(q_BTHE, k_BSKE, v_BSKE, qpos_BT, kpos_BS, window):
+  """Causal sliding-window GQA attention: query i sees key j iff 0 <= i - j <= window.
+
+  Positions are explicit so the same function serves training (S = T) and
+  cached decoding (S = cache length; an empty slot gets a position past every
+  query, which the causal test hides).
+  """
+  B, T, H, E = q_BTHE.shape
+  K = k_BSKE.shape[2]
+  q_BTKGE = q_BTHE.reshape(B, T, K, H // K, E)
+  scores = jnp.einsum("btkge,bske->bkgts", q_BTKGE, k_BSKE,
+                      preferred_element_type=jnp.float32) / np.sqrt(E)
+  delta = qpos_BT[:, :, None] - kpos_BS[:, None, :]  # [B, T, S]
+  visible = (delta >= 0) & (delta <= window)
+  scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKE.dtype)
+  out = jnp.einsum("bkgts,bske->btkge", probs, v_BSKE)
+  return out.reshape(B, T, H * E)
+
+
+def _param(shape, logical, dtype):
+  return nnx.Param(jnp.zeros(shape, dtype), logical=logical)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg, lv: values.LayerValue, window: int):
+    m = cfg.model
+    D, H, K = m.n_embd, m.n_head, m.n_kv_head
+    E = D // H
+    pd = jnp.dtype(m.param_dtype)
+    self.lv = lv
+    self.window = window
+    self.n_head, self.n_kv_head, self.head_dim = H, K, E
+    self.wq = _param((D, H * E), ("embed", "q_heads"), pd)
+    self.wk = _param((D, K * E), ("embed", "kv_heads"), pd)
+    self.wv = _param((D, K * E), ("embed", "kv_heads"), pd) if lv.has_wv else None
+    self.wo = _param((H * E, D), ("q_heads", "embed"), pd)
+    self.coeffs = nnx.Dict({name: _param((), (), pd) for name in lv.coeff_names})
+    self.gate = (_param((values.GATE_CHANNELS, K), (None, None), pd)
+                 if lv.has_gate else None)
+
+  def project_v(self, x_BTD):
+    B, T, _ = x_BTD.shape
+    return (x_BTD @ self.wv.astype(x_BTD.dtype)).reshape(B, T, self.n_kv_head, self.head_dim)
+
+  def qkv(self, x_BTD, pos_BT, v_tilde_BTKE=None):
+    """Queries, keys and values of the new positions (rotary and QK-norm applied)."""
+    B, T, _ = x_BTD.shape
+    H, K, E = self.n_head, self.n_kv_head, self.head_dim
+    dt = x_BTD.dtype
+    q = (x_BTD @ self.wq.astype(dt)).reshape(B, T, H, E)
+    k = (x_BTD @ self.wk.astype(dt)).reshape(B, T, K, E)
+    q = rmsnorm(rotary(q, pos_BT)) * QK_NORM_SCALE
+    k = rmsnorm(rotary(k, pos_BT)) * QK_NORM_SCALE
+    v = self.project_v(x_BTD) if self.lv.uses_v else None
+    coeffs = {n: p[...] for n, p in self.coeffs.items()}
+    v = values.combine(self.lv, v, v_tilde_BTKE, coeffs, gate_input=x_BTD,
+                       gate_w=None if self.gate is None else self.gate[...])
+    return q, k, v
+
+  def output(self, y_BTF):
+    return y_BTF @ self.wo.astype(y_BTF.dtype)
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg):
+    D = cfg.model.n_embd
+    pd = jnp.dtype(cfg.model.param_dtype)
+    self.w_fc = _param((D, 4 * D), ("embed", "mlp"), pd)
+    self.w_proj = _param((4 * D, D), ("mlp", "embed"), pd)
+
+  def __call__(self, x_BTD):
+    h = jnp.square(jax.nn.relu(x_BTD @ self.w_fc.astype(x_BTD.dtype)))
+    return h @ self.w_proj.astype(x_BTD.dtype)
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg, lv, window):
+    self.attn = Attention(cfg, lv, window)
+    self.mlp = MLP(cfg)
+
+
+class GPT(nnx.Module):
+
+  def __init__(self, cfg):
+    mode = config_lib.validate(cfg)
+    m = cfg.model
+    self.mode = mode
+    self.vocab_size = m.vocab_size
+    self.compute_dtype = jnp.dtype(m.dtype)
+    Vp = values.padded_vocab(m.vocab_size)
+    D = m.n_embd
+    K, E = m.n_kv_head, m.n_embd // m.n_head
+    pd = jnp.dtype(m.param_dtype)
+    self.plan = values.layer_plan(mode, m.n_layer)
+    self.table_of = values.table_keys(mode, m.n_layer)  # layer -> table name
+    self.wte = _param((Vp, D), ("vocab", "embed"), pd)
+    self.lm_head = _param((D, Vp), ("embed", "vocab"), pd)
+    self.smear_w = _param((SMEAR_CHANNELS,), (None,), pd)
+    self.smear_lambda = _param((), (), pd)
+    windows = config_lib.window_sizes(cfg)
+    self.blocks = nnx.List([Block(cfg, lv, w) for lv, w in zip(self.plan, windows)])
+    self.tables = nnx.Dict({name: _param((Vp, K * E), ("table_vocab", "kv_heads"), pd)
+                            for name in sorted(set(self.table_of.values()))})
+
+  # -- forward ---------------------------------------------------------------
+
+  def embed(self, idx_BT, prev_BD=None):
+    """Token embedding, RMSNorm and smear. Returns (x0, pre-smear x of the last position).
+
+    prev_BD is the pre-smear embedding of the token before idx[:, 0] (decoding);
+    without it position 0 is left unchanged.
+    """
+    x = rmsnorm(self.wte[...].astype(self.compute_dtype)[idx_BT])
+    if prev_BD is None:
+      prev = jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+      has_prev = (jnp.arange(x.shape[1]) >= 1)[None, :, None]
+    else:
+      prev = jnp.concatenate([prev_BD[:, None].astype(x.dtype), x[:, :-1]], axis=1)
+      has_prev = True
+    gate = self.smear_lambda[...].astype(x.dtype) * jax.nn.sigmoid(
+        x[..., :SMEAR_CHANNELS] @ self.smear_w[...].astype(x.dtype))
+    x0 = x + jnp.where(has_prev, gate[..., None] * prev, 0)
+    return x0, x[:, -1]
+
+  def v_tilde(self, i, x0n_BTD, v1_BTKE, idx_BT):
+    """The context-free value V~ of target layer i."""
+    lv = self.plan[i]
+    if not lv.target or lv.source == "residual":
+      return None
+    if lv.source == "x0":
+      return self.blocks[i].attn.project_v(x0n_BTD)
+    if lv.source == "v1":
+      return v1_BTKE
+    attn = self.blocks[i].attn
+    B, T = idx_BT.shape
+    rows = values.lookup(self.tables[self.table_of[i]][...], idx_BT)
+    return rows.astype(self.compute_dtype).reshape(B, T, attn.n_kv_head, attn.head_dim)
+
+  def hidden(self, idx_BT, return_kv: bool = False):
+    """Final normed hidden states [B, T, D] in the compute dtype.
+
+    With return_kv, also each layer's (keys, values) [B, T, K, E], the values
+    being the ones attended over (after the value mode's combination).
+    """
+    B, T = idx_BT.shape
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    x, _ = self.embed(idx_BT)
+    x0n = rmsnorm(x)
+    v1 = None
+    kvs = []
+    for i, block in enumerate(self.blocks):
+      q, k, v = block.attn.qkv(rmsnorm(x), pos, self.v_tilde(i, x0n, v1, idx_BT))
+      if i == 0:
+        v1 = v
+      if return_kv:
+        kvs.append((k, v))
+      x = x + block.attn.output(attend(q, k, v, pos, pos, block.attn.window))
+      x = x + block.mlp(rmsnorm(x))
+    return (rmsnorm(x), kvs) if return_kv else rmsnorm(x)
+
+  def logits(self, h_BTD):
+    """fp32 soft-capped logits over the real vocabulary."""
+    z = (h_BTD @ self.lm_head.astype(h_BTD.dtype))[..., : self.vocab_size]
+    z = z.astype(jnp.float32)
+    return SOFTCAP * jnp.tanh(z / SOFTCAP)
+
+  def __call__(self, idx_BT):
+    return self.logits(self.hidden(idx_BT))
+
+  def token_losses(self, idx_BT, targets_BT):
+    """Cross-entropy in nats per target position; 0 where target == -1."""
+    z = self(idx_BT)
+    logz = jax.nn.logsumexp(z, axis=-1)
+    safe = jnp.where(targets_BT < 0, 0, targets_BT)
+    nll = logz - jnp.take_along_axis(z, safe[..., None], axis=-1)[..., 0]
+    return jnp.where(targets_BT < 0, 0.0, nll)
+
+  def loss(self, idx_BT, targets_BT):
+    """Mean cross-entropy over targets != -1."""
+    nll = self.token_losses(idx_BT, targets_BT)
+    count = jnp.sum(targets_BT >= 0)
+    return jnp.sum(nll) / jnp.maximum(count, 1)
+
+
+# -- initialisation ----------------------------------------------------------
+
+def init_weights(model: GPT, key) -> None:
+  """The whole initialisation (SPEC section 1), in place.
+
+  Every tensor draws from its own key, folded from its name, so two value modes
+  built from the same seed share every weight they have in common (this is what
+  makes BoV at init equal x0-replace at init).
+  """
+  D = model.wte.shape[1]
+  s = np.sqrt(3.0) / np.sqrt(D)
+
+  def k(name):
+    return jax.random.fold_in(key, zlib.crc32(name.encode()))
+
+  def normal(name, shape, std, dtype):
+    return (std * jax.random.normal(k(name), shape, jnp.float32)).astype(dtype)
+
+  def uniform(name, shape, lo, hi, dtype):
+    return jax.random.uniform(k(name), shape, jnp.float32, lo, hi).astype(dtype)
+
+  def set_(p, value):
+    p.set_value(value.astype(p.dtype))
+
+  set_(model.wte, normal("wte", model.wte.shape, 0.8, jnp.float32))
+  set_(model.lm_head, normal("lm_head", model.lm_head.shape, 0.001, jnp.float32))
+  set_(model.smear_lambda, jnp.zeros(()))
+  set_(model.smear_w, uniform("smear_w", model.smear_w.shape, 0.0, 0.02, jnp.float32))
+  wv_init = {}
+  for i, block in enumerate(model.blocks):
+    a = block.attn
+    set_(a.wq, uniform(f"h{i}.wq", a.wq.shape, -s, s, jnp.float32))
+    set_(a.wk, uniform(f"h{i}.wk", a.wk.shape, -s, s, jnp.float32))
+    # Every layer draws its W_v, owned or not: a table is initialised from it.
+    wv_init[i] = uniform(f"h{i}.wv", (D, a.n_kv_head * a.head_dim), -s, s, jnp.float32)
+    if a.wv is not None:
+      set_(a.wv, wv_init[i])
+    set_(a.wo, jnp.zeros(a.wo.shape))
+    for name, p in a.coeffs.items():
+      set_(p, jnp.asarray(0.0 if name == "beta" else 1.0))
+    if a.gate is not None:
+      set_(a.gate, uniform(f"h{i}.gate", a.gate.shape, 0.0, 0.02, jnp.float32))
+    set_(block.mlp.w_fc, uniform(f"h{i}.w_fc", block.mlp.w_fc.shape, -0.4 * s, 0.4 * s,
+                                 jnp.float32))
+    set_(block.mlp.w_proj, jnp.zeros(block.mlp.w_proj.shape))
+  # Value tables: aligned init E_l[t] = rmsnorm(wte[t]) @ W_v,l in fp32, so the first
+  # forward pass equals x0-replace; a shared table uses the first target's W_v.
+  # The gated variant draws U(-s, s) instead.
+  first_target = {}
+  for layer, name in sorted(model.table_of.items()):
+    first_target.setdefault(name, layer)
+  gated = model.mode.combine == "gated_add"
+  for name, layer in first_target.items():
+    table = model.tables[name]
+    if gated:
+      set_(table, uniform(f"table.{name}", table.shape, -s, s, jnp.float32))
+    else:
+      set_(table, rmsnorm(model.wte[...].astype(jnp.float32)) @ wv_init[layer])
+
+
+def build(cfg) -> GPT:
+  """An un-initialised (zero) model; cheap under nnx.eval_shape."""
+  return GPT(cfg)
+
+
+def init_model(cfg, key=None, out_shardings=None) -> GPT:
+  """Builds and initialises the model inside one jit, so no tensor exists twice
+  and (with out_shardings) every parameter is created already sharded."""
+  if key is None:
+    key = jax.random.key(cfg.train.seed)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg)))
+
+  def make(key):
+    model = GPT(cfg)
+    init_weights(model, key)
+    return nnx.state(model)
+
+  state = jax.jit(make, out_shardings=out_shardings)(key)
+  return nnx.merge(graphdef, state)

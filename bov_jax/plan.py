@@ -1,0 +1,103 @@
+"""What a config costs before anything runs: parameters, FLOPs, the step budget.
+
+Counts come from the real model's parameter shapes under `nnx.eval_shape` (no
+allocation), so the plan can never disagree with what `model.py` builds.
+FLOPs follow SPEC section 3 (nanochat's estimate_flops):
+
+  flops_per_token = 6 * N_matmul + sum_i 12 * H * dh * min(w_i, T)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+
+from bov_jax import config as config_lib
+from bov_jax import model as model_lib
+from bov_jax import values
+
+
+def abstract_state(cfg):
+  return nnx.state(nnx.eval_shape(lambda: model_lib.build(cfg)))
+
+
+def _flat(state):
+  return {tuple(str(p) for p in path): v for path, v in nnx.to_flat_state(state)}
+
+
+def param_counts(cfg) -> dict:
+  """params (all), params_dense (without value tables) and N_matmul."""
+  flat = _flat(abstract_state(cfg))
+  size = {path: int(np.prod(v.shape)) for path, v in flat.items()}
+  total = sum(size.values())
+  tables = sum(n for path, n in size.items() if path[0] == "tables")
+  plan = values.layer_plan(config_lib.value_mode(cfg), cfg.model.n_layer)
+  matmul = 0
+  for path, n in size.items():
+    if path[0] == "lm_head":
+      matmul += n
+    elif path[0] == "blocks":
+      layer, name = int(path[1]), path[-1]
+      if name == "wv":  # a value matrix counts once per matmul that reaches the loss
+        matmul += n * plan[layer].value_matmuls
+      elif "coeffs" not in path:
+        matmul += n
+  return {"params": total, "params_dense": total - tables, "n_matmul": matmul}
+
+
+def attention_flops(cfg) -> int:
+  m = cfg.model
+  dh = m.n_embd // m.n_head
+  T = m.sequence_len
+  return sum(12 * m.n_head * dh * min(w, T) for w in config_lib.window_sizes(cfg))
+
+
+def flops_per_token(cfg) -> int:
+  return 6 * param_counts(cfg)["n_matmul"] + attention_flops(cfg)
+
+
+def scaling_params(cfg) -> int:
+  """D: parameters in the transformer blocks plus W_lm on the dense baseline layout."""
+  baseline = cfg.copy_and_resolve_references()
+  baseline.model.value.preset = "gpt_base"
+  for k in ("source", "combine", "coeff", "layers", "shared_table"):
+    baseline.model.value[k] = None
+  flat = _flat(abstract_state(baseline))
+  return sum(int(np.prod(v.shape)) for path, v in flat.items()
+             if path[0] in ("blocks", "lm_head"))
+
+
+def num_iterations(cfg, fpt: int | None = None) -> int:
+  if cfg.train.num_iterations > 0:
+    return int(cfg.train.num_iterations)
+  fpt = flops_per_token(cfg) if fpt is None else fpt
+  return int(round(cfg.train.target_flops / (fpt * cfg.train.batch_tokens)))
+
+
+def make_plan(cfg) -> dict:
+  mode = config_lib.validate(cfg)
+  counts = param_counts(cfg)
+  fpt = 6 * counts["n_matmul"] + attention_flops(cfg)
+  iters = num_iterations(cfg, fpt)
+  tokens_per_step = int(cfg.train.batch_tokens)
+  return {
+      "preset": mode.preset,
+      "source": mode.source,
+      "combine": mode.combine,
+      "coeff": mode.coeff,
+      "layers": mode.layers,
+      "shared_table": mode.shared_table,
+      "target_layers": values.target_layers(mode, cfg.model.n_layer),
+      "params": counts["params"],
+      "params_dense": counts["params_dense"],
+      "n_matmul": counts["n_matmul"],
+      "flops_per_token": fpt,
+      "tokens_per_step": tokens_per_step,
+      "num_iterations": iters,
+      "total_tokens": iters * tokens_per_step,
+      "total_flops": float(fpt) * iters * tokens_per_step,
+      "windows": config_lib.window_sizes(cfg),
+  }

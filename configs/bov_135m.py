@@ -1,0 +1,10 @@
+"""Bank of Values at 135M (d12), Table 6: gamma * E_l[id] in the last third of the layers."""
+from bov_jax.config import depth_config
+
+
+def get_config():
+  c = depth_config(12, preset="gpt_base_v_from_value_emb_learn")
+  c.train.batch_tokens = 524288
+  c.train.device_batch_size = 16
+  c.train.target_flops = 1.5e18
+  return c

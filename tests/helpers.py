@@ -1,0 +1,162 @@
+"""Shared test fixtures: small configs and an independent numpy oracle of the SPEC."""
+from __future__ import annotations
+
+import numpy as np
+
+from bov_jax import config as config_lib
+
+
+def small_config(preset: str = "gpt_base_v_from_value_emb_learn", **model):
+  c = config_lib.base_config()
+  c.model.update(dict(n_layer=6, n_embd=64, n_head=4, n_kv_head=2, sequence_len=64,
+                      vocab_size=100, window_pattern="SSSL", short_window=8))
+  c.model.update(model)
+  c.model.value.preset = preset
+  c.train.num_iterations = 10
+  c.train.batch_tokens = 256
+  c.train.device_batch_size = 4
+  return c
+
+
+# --- a numpy transcription of SPEC sections 1-2, on reference parameter names ----
+# Written independently of bov_jax (its own variant table, float64 math), so a
+# formula or a name mapping that drifts in the package fails the comparison.
+
+REF_VARIANTS = {  # model_type -> (source, combine, learned, layers, shared)
+    "gpt_base": (None, None, False, None, False),
+    "gpt_base_v_scale_learn": ("self", "scale", True, "third", False),
+    "gpt_base_v_from_v1_every_layer": ("v1", "replace", False, "all", False),
+    "gpt_base_v_from_v1_learn_every2": ("v1", "replace", True, "every2", False),
+    "gpt_base_v_from_v1": ("v1", "replace", False, "third", False),
+    "gpt_base_v_from_v1_learn": ("v1", "replace", True, "third", False),
+    "gpt_base_v_from_x0_learn_every2": ("x0", "replace", True, "every2", False),
+    "gpt_base_v_from_x0": ("x0", "replace", False, "third", False),
+    "gpt_base_v_from_x0_learn": ("x0", "replace", True, "third", False),
+    "gpt_base_add_init_v": ("v1", "add", False, "third", False),
+    "gpt_base_add_init_v_learn": ("v1", "add", True, "third", False),
+    "gpt_base_add_init_res_v": ("x0", "add", False, "third", False),
+    "gpt_base_add_init_res_v_learn": ("x0", "add", True, "third", False),
+    "gpt_base_v_from_value_emb_learn": ("emb", "replace", True, "third", False),
+    "gpt_base_v_from_value_emb": ("emb", "replace", False, "third", False),
+    "gpt_base_v_from_value_emb_learn_shared": ("emb", "replace", True, "third", True),
+    "gpt_base_v_from_value_emb_learn_every_layer": ("emb", "replace", True, "all", False),
+    "gpt_base_v_from_value_emb_learn_every2": ("emb", "replace", True, "every2", False),
+    "gpt_base_v_from_value_emb_learn_second_half": ("emb", "replace", True, "half", False),
+    "gpt_base_v_from_value_emb_learn_last_two_thirds": ("emb", "replace", True, "twothirds", False),
+    "gpt_base_add_init_value_emb": ("emb", "add", False, "third", False),
+    "gpt_base_add_init_value_emb_learn": ("emb", "add", True, "third", False),
+    "gpt_base_add_init_value_emb_nanogpt": ("emb", "gated", True, "third", False),
+    "gpt_base_add_init_value_emb_nanogpt_every2": ("emb", "gated", True, "every2", False),
+}
+
+
+def ref_targets(model_type, L):
+  source, _, _, layers, _ = REF_VARIANTS[model_type]
+  if source is None:
+    return []
+  rule = {"third": lambda i: i >= 2 * L // 3, "all": lambda i: True,
+          "every2": lambda i: i % 2 == (L - 1) % 2, "half": lambda i: i >= L // 2,
+          "twothirds": lambda i: i >= L // 3}[layers]
+  return [i for i in range(L) if rule(i) and not (source == "v1" and i == 0)]
+
+
+def random_reference_state_dict(model_type, dims, seed=0):
+  """Random weights in the reference layout ([out, in]), dead c_v included."""
+  rng = np.random.default_rng(seed)
+  d, H, K, L = dims["n_embd"], dims["n_head"], dims["n_kv_head"], dims["n_layer"]
+  dh = d // H
+  Vp = -(-dims["vocab_size"] // 64) * 64
+  r = lambda *shape, s=1.0: (s * rng.standard_normal(shape)).astype(np.float32)
+  sd = {"transformer.wte.weight": r(Vp, d), "lm_head.weight": r(Vp, d, s=0.3),
+        "smear_gate.weight": r(1, 24, s=0.5), "smear_lambda": np.array([0.7], np.float32)}
+  for i in range(L):
+    h = f"transformer.h.{i}"
+    sd[f"{h}.attn.c_q.weight"] = r(H * dh, d, s=0.3)
+    sd[f"{h}.attn.c_k.weight"] = r(K * dh, d, s=0.3)
+    sd[f"{h}.attn.c_v.weight"] = r(K * dh, d, s=0.3)
+    sd[f"{h}.attn.c_proj.weight"] = r(d, d, s=0.1)
+    sd[f"{h}.mlp.c_fc.weight"] = r(4 * d, d, s=0.2)
+    sd[f"{h}.mlp.c_proj.weight"] = r(d, 4 * d, s=0.05)
+    sd[f"{h}.attn.gamma_v"] = np.array([1.3 + 0.1 * i], np.float32)
+    sd[f"{h}.attn.alpha_v"] = np.array([0.8 - 0.05 * i], np.float32)
+    sd[f"{h}.attn.beta_v"] = np.array([0.4 + 0.1 * i], np.float32)
+    sd[f"{h}.attn.ve_gate.weight"] = r(K, 12, s=0.5)
+  targets = ref_targets(model_type, L)
+  if REF_VARIANTS[model_type][0] == "emb":
+    shared = r(Vp, K * dh)
+    for i in targets:
+      sd[f"value_embeds.{i}.weight"] = shared if REF_VARIANTS[model_type][4] else r(Vp, K * dh)
+  return sd
+
+
+def _rms(x):
+  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.finfo(np.float32).eps)
+
+
+def _rope(x, T):  # x [B, T, N, dh], half-split, base 100000
+  dh = x.shape[-1]
+  inv = 1.0 / (100000.0 ** (np.arange(0, dh, 2) / dh))
+  ang = np.arange(T)[:, None] * inv[None]
+  cos, sin = np.cos(ang)[None, :, None], np.sin(ang)[None, :, None]
+  x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
+  return np.concatenate([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], -1)
+
+
+def reference_logits(sd, model_type, dims, idx):
+  """float64 forward pass of SPEC sections 1-2 on a reference state_dict."""
+  sd = {k: np.asarray(v, np.float64) for k, v in sd.items()}
+  d, H, K, L, T_ctx = (dims["n_embd"], dims["n_head"], dims["n_kv_head"], dims["n_layer"],
+                       dims["sequence_len"])
+  dh = d // H
+  source, combine, learned, _, _ = REF_VARIANTS[model_type]
+  targets = ref_targets(model_type, L)
+  S = -(-(T_ctx // 4) // 128) * 128
+  pattern = dims["window_pattern"]
+  windows = [T_ctx if pattern[i % len(pattern)] == "L" else S for i in range(L)]
+  windows[-1] = T_ctx
+  B, T = idx.shape
+  x = _rms(sd["transformer.wte.weight"][idx])
+  gate = sd["smear_lambda"][0] / (1 + np.exp(-(x[:, 1:, :24] @ sd["smear_gate.weight"].T)))
+  x = np.concatenate([x[:, :1], x[:, 1:] + gate * x[:, :-1]], axis=1)
+  x0 = x
+  v1 = None
+  i_idx, j_idx = np.arange(T)[:, None], np.arange(T)[None, :]
+  for i in range(L):
+    h = f"transformer.h.{i}"
+    xn = _rms(x)
+    q = (xn @ sd[f"{h}.attn.c_q.weight"].T).reshape(B, T, H, dh)
+    k = (xn @ sd[f"{h}.attn.c_k.weight"].T).reshape(B, T, K, dh)
+    v = (xn @ sd[f"{h}.attn.c_v.weight"].T).reshape(B, T, K, dh)
+    if i == 0:
+      v1 = v
+    if i in targets:
+      if source == "x0":
+        vt = (_rms(x0) @ sd[f"{h}.attn.c_v.weight"].T).reshape(B, T, K, dh)
+      elif source == "v1":
+        vt = v1
+      elif source == "emb":
+        vt = sd[f"value_embeds.{i}.weight"][idx].reshape(B, T, K, dh)
+      gamma, alpha, beta = (sd[f"{h}.attn.{c}_v"][0] for c in ("gamma", "alpha", "beta"))
+      if combine == "scale":
+        v = gamma * v
+      elif combine == "replace":
+        v = gamma * vt if learned else vt
+      elif combine == "add":
+        v = alpha * v + beta * vt if learned else 0.5 * v + 0.5 * vt
+      elif combine == "gated":
+        g = 3.0 / (1 + np.exp(-(xn[..., :12] @ sd[f"{h}.attn.ve_gate.weight"].T)))
+        v = v + g[..., None] * vt
+    q = _rms(_rope(q, T)) * 1.2
+    k = _rms(_rope(k, T)) * 1.2
+    k = np.repeat(k, H // K, axis=2)
+    v = np.repeat(v, H // K, axis=2)
+    s = np.einsum("bthe,bshe->bhts", q, k) / np.sqrt(dh)
+    visible = (i_idx - j_idx >= 0) & (i_idx - j_idx <= windows[i])
+    s = np.where(visible[None, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    y = np.einsum("bhts,bshe->bthe", p, v).reshape(B, T, d)
+    x = x + y @ sd[f"{h}.attn.c_proj.weight"].T
+    x = x + np.maximum(_rms(x) @ sd[f"{h}.mlp.c_fc.weight"].T, 0) ** 2 @ sd[f"{h}.mlp.c_proj.weight"].T
+  z = (_rms(x) @ sd["lm_head.weight"].T)[..., : dims["vocab_size"]]
+  return 15.0 * np.tanh(z / 15.0)

@@ -1,0 +1,121 @@
+"""Checkpoint import from the reference: every variant's logits against a numpy oracle."""
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bov_jax import convert
+from bov_jax import values
+from tests import helpers
+
+# sequence_len 640 gives the reference's short window 256; 300 tokens cross it.
+DIMS = dict(sequence_len=640, vocab_size=100, n_layer=6, n_head=4, n_kv_head=2, n_embd=64,
+            window_pattern="SSSL")
+
+
+def _tokens(T=300, B=2, seed=1):
+  return np.random.default_rng(seed).integers(0, DIMS["vocab_size"], (B, T)).astype(np.int32)
+
+
+def test_every_reference_variant_is_a_preset():
+  assert set(helpers.REF_VARIANTS) == set(values.PRESETS)
+
+
+@pytest.mark.parametrize("model_type", sorted(helpers.REF_VARIANTS))
+def test_logits_match_reference_formulas(model_type):
+  sd = helpers.random_reference_state_dict(model_type, DIMS)
+  model = convert.from_nanochat(sd, model_type, **DIMS)
+  idx = _tokens()
+  got = np.asarray(model(jnp.asarray(idx)))
+  assert got.dtype == np.float32 and got.shape == (2, 300, DIMS["vocab_size"])
+  want = helpers.reference_logits(sd, model_type, DIMS, idx)
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_windows_matter_in_this_comparison():
+  """Guard: with all-full windows the oracle's logits change, so the test sees windows."""
+  sd = helpers.random_reference_state_dict("gpt_base", DIMS)
+  idx = _tokens()
+  a = helpers.reference_logits(sd, "gpt_base", DIMS, idx)
+  b = helpers.reference_logits(sd, "gpt_base", dict(DIMS, window_pattern="L"), idx)
+  assert np.abs(a - b)[:, 258:].max() > 1e-3
+  np.testing.assert_allclose(a[:, :257], b[:, :257], atol=1e-9)
+
+
+def test_dead_value_matrix_is_dropped_and_not_owned():
+  mt = "gpt_base_v_from_value_emb_learn"
+  sd = helpers.random_reference_state_dict(mt, DIMS)
+  assert "transformer.h.5.attn.c_v.weight" in sd
+  model = convert.from_nanochat(sd, mt, **DIMS)
+  assert model.blocks[5].attn.wv is None and model.blocks[3].attn.wv is not None
+
+
+def test_missing_tensor_is_named():
+  mt = "gpt_base_v_from_value_emb_learn"
+  sd = helpers.random_reference_state_dict(mt, DIMS)
+  del sd["value_embeds.4.weight"]
+  with pytest.raises(convert.ConversionError, match=r"value_embeds\.4\.weight"):
+    convert.from_nanochat(sd, mt, **DIMS)
+
+
+def test_misshaped_tensor_is_named():
+  sd = helpers.random_reference_state_dict("gpt_base", DIMS)
+  sd["transformer.h.2.mlp.c_fc.weight"] = np.zeros((10, 64), np.float32)
+  with pytest.raises(convert.ConversionError, match=r"transformer\.h\.2\.mlp\.c_fc\.weight"):
+    convert.from_nanochat(sd, "gpt_base", **DIMS)
+
+
+def test_shared_table_reads_one_tensor():
+  mt = "gpt_base_v_from_value_emb_learn_shared"
+  sd = helpers.random_reference_state_dict(mt, DIMS)
+  model = convert.from_nanochat(sd, mt, **DIMS)
+  assert list(model.tables.keys()) == ["shared"]
+  np.testing.assert_array_equal(np.asarray(model.tables["shared"][...]),
+                                sd["value_embeds.4.weight"])
+
+
+def test_round_trip_to_reference_names():
+  mt = "gpt_base_add_init_value_emb_nanogpt"
+  sd = helpers.random_reference_state_dict(mt, DIMS)
+  back = convert.to_nanochat(convert.from_nanochat(sd, mt, **DIMS))
+  for k, v in back.items():
+    np.testing.assert_array_equal(v, sd[k], err_msg=k)
+
+
+def test_convert_command_writes_a_loadable_checkpoint(tmp_path):
+  from bov_jax import checkpoint, model as model_lib
+  mt = "gpt_base_v_from_x0_learn"
+  sd = helpers.random_reference_state_dict(mt, DIMS)
+  np.savez(tmp_path / "model_000123.npz", **sd)
+  meta = {"model_config": dict(DIMS), "user_config": {"model_type": mt}}
+  (tmp_path / "meta_000123.json").write_text(json.dumps(meta))
+  out = subprocess.run(
+      [sys.executable, "-m", "bov_jax.convert", f"--checkpoint={tmp_path}/model_000123.npz",
+       f"--meta={tmp_path}/meta_000123.json", f"--workdir={tmp_path}/run"],
+      capture_output=True, text=True, cwd=helpers_root(), timeout=300)
+  assert out.returncode == 0, out.stderr
+  assert json.loads(out.stdout.strip().splitlines()[-1])["checkpoint"].endswith("123")
+  cfg = checkpoint.read_config(str(tmp_path / "run"))
+  fresh = model_lib.build(cfg)
+  assert checkpoint.restore_model(str(tmp_path / "run"), fresh) == 123
+  idx = _tokens(T=40)
+  np.testing.assert_allclose(np.asarray(fresh(jnp.asarray(idx))),
+                             helpers.reference_logits(sd, mt, DIMS, idx), atol=1e-4)
+
+
+def test_convert_command_needs_a_model_type(tmp_path):
+  (tmp_path / "meta.json").write_text(json.dumps({"model_config": DIMS}))
+  np.savez(tmp_path / "m.npz", x=np.zeros(1))
+  out = subprocess.run(
+      [sys.executable, "-m", "bov_jax.convert", f"--checkpoint={tmp_path}/m.npz",
+       f"--meta={tmp_path}/meta.json", f"--workdir={tmp_path}/run"],
+      capture_output=True, text=True, cwd=helpers_root(), timeout=300)
+  assert out.returncode == 2 and "--model_type" in out.stderr
+
+
+def helpers_root():
+  return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
