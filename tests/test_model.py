@@ -1,0 +1,205 @@
+"""The transformer and its value modes: causality, context-freedom, aligned init, grads."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bov_jax import model as model_lib
+from bov_jax import values
+from tests.helpers import small_config
+
+ALL_PRESETS = sorted(values.PRESETS)
+
+
+def _idx(T=40, B=2, seed=0, V=100):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, V, (B, T)), jnp.int32)
+
+
+def _perturbed(cfg, seed=0):
+  """An initialised model whose zero-init weights are made non-zero, so every
+  path (W_o, W_proj, smear, coefficients) carries signal."""
+  m = model_lib.init_model(cfg, jax.random.key(seed))
+  state = nnx.state(m)
+  leaves, tree = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+  leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+  nnx.update(m, jax.tree.unflatten(tree, leaves))
+  return m
+
+
+@pytest.mark.parametrize("preset", ["gpt_base", "gpt_base_v_from_value_emb_learn",
+                                    "gpt_base_add_init_v_learn", "gpt_base_v_from_x0",
+                                    "gpt_base_add_init_value_emb_nanogpt"])
+def test_causal(preset):
+  m = _perturbed(small_config(preset))
+  idx = _idx()
+  t = 25
+  idx2 = idx.at[:, t].set((idx[:, t] + 7) % 100)
+  a, b = m(idx), m(idx2)
+  np.testing.assert_array_equal(np.asarray(a[:, :t]), np.asarray(b[:, :t]))
+  assert np.abs(np.asarray(a[:, t:] - b[:, t:])).max() > 1e-6
+
+
+def test_sliding_window_limits_what_a_layer_sees():
+  """With every layer short (window 8 at T=40) and one layer, a token 9+ back is invisible."""
+  cfg = small_config("gpt_base", n_layer=1, window_pattern="S", short_window=8)
+  m = _perturbed(cfg)
+  # the last layer is always full: with n_layer=1 use the attend function directly
+  q = jax.random.normal(jax.random.key(0), (1, 20, 4, 16))
+  k = jax.random.normal(jax.random.key(1), (1, 20, 2, 16))
+  v = jax.random.normal(jax.random.key(2), (1, 20, 2, 16))
+  pos = jnp.arange(20)[None]
+  out = model_lib.attend(q, k, v, pos, pos, 8)
+  v2 = v.at[:, 5].add(10.0)
+  out2 = model_lib.attend(q, k, v2, pos, pos, 8)
+  diff = np.abs(np.asarray(out - out2)).max(axis=(0, 2))
+  assert np.all(diff[:5] == 0) and np.all(diff[5:14] > 0) and np.all(diff[14:] == 0)
+  del m
+
+
+def test_last_layer_always_full():
+  from bov_jax import config as config_lib
+  cfg = small_config("gpt_base", window_pattern="S", sequence_len=64, short_window=8)
+  assert config_lib.window_sizes(cfg) == [8, 8, 8, 8, 8, 64]
+  cfg = small_config("gpt_base", short_window=0, sequence_len=2048)
+  assert config_lib.window_sizes(cfg) == [512, 512, 512, 2048, 512, 2048]
+  assert config_lib.window_sizes(small_config(short_window=0, sequence_len=512))[0] == 128 * 1
+
+
+def _layer_values(m, idx):
+  _, kvs = m.hidden(idx, return_kv=True)
+  return [np.asarray(v) for _, v in kvs]
+
+
+def test_table_replace_values_do_not_depend_on_context():
+  cfg = small_config("gpt_base_v_from_value_emb_learn")  # targets 4, 5
+  m = _perturbed(cfg)
+  idx = _idx(T=30)
+  other = idx.at[:, :20].set(_idx(T=20, seed=5))  # a different prefix, same tokens 20..29
+  a, b = _layer_values(m, idx), _layer_values(m, other)
+  for layer in (4, 5):
+    np.testing.assert_array_equal(a[layer][:, 20:], b[layer][:, 20:])
+  assert np.abs(a[3][:, 20:] - b[3][:, 20:]).max() > 1e-5  # a non-target layer does depend
+
+
+def test_v1_targets_reuse_layer0_values():
+  m = _perturbed(small_config("gpt_base_v_from_v1"))
+  vals = _layer_values(m, _idx())
+  for layer in (4, 5):
+    np.testing.assert_array_equal(vals[layer], vals[0])
+
+
+def test_bov_at_init_equals_x0_replace_at_init():
+  key = jax.random.key(3)
+  bov = model_lib.init_model(small_config("gpt_base_v_from_value_emb_learn"), key)
+  x0 = model_lib.init_model(small_config("gpt_base_v_from_x0_learn"), key)
+  # W_o is zero at init, so make both models' outputs sensitive to V the same way
+  for mm in (bov, x0):
+    for i, b in enumerate(mm.blocks):
+      b.attn.wo.set_value(0.1 * jax.random.normal(jax.random.key(100 + i), b.attn.wo.shape))
+  idx = _idx()
+  np.testing.assert_allclose(np.asarray(bov(idx)), np.asarray(x0(idx)), atol=2e-5)
+  vb, vx = _layer_values(bov, idx), _layer_values(x0, idx)
+  assert np.abs(vb[5]).max() > 0.1
+  np.testing.assert_allclose(vb[5], vx[5], atol=2e-5)
+
+
+def test_shared_table_is_initialised_from_first_target():
+  key = jax.random.key(0)
+  m = model_lib.init_model(small_config("gpt_base_v_from_value_emb_learn_shared"), key)
+  ref = model_lib.init_model(small_config("gpt_base_v_from_x0"), key)
+  want = model_lib.rmsnorm(ref.wte[...]) @ ref.blocks[4].attn.wv[...]
+  np.testing.assert_allclose(np.asarray(m.tables["shared"][...]), np.asarray(want), atol=1e-6)
+
+
+def test_initialisation_statistics():
+  cfg = small_config("gpt_base_add_init_value_emb_nanogpt", n_embd=128, n_head=4)
+  m = model_lib.init_model(cfg, jax.random.key(0))
+  s = np.sqrt(3) / np.sqrt(128)
+  assert abs(float(jnp.std(m.wte[...])) - 0.8) < 0.03
+  assert abs(float(jnp.std(m.lm_head[...])) - 0.001) < 1e-4
+  a = m.blocks[0].attn
+  assert float(jnp.max(jnp.abs(a.wq[...]))) <= s and float(jnp.max(a.wq[...])) > 0.9 * s
+  assert float(jnp.max(jnp.abs(m.blocks[0].mlp.w_fc[...]))) <= 0.4 * s
+  assert float(jnp.abs(a.wo[...]).max()) == 0 and float(jnp.abs(m.blocks[0].mlp.w_proj[...]).max()) == 0
+  assert float(m.smear_lambda[...]) == 0
+  assert 0 <= float(m.smear_w[...].min()) and float(m.smear_w[...].max()) <= 0.02
+  g = m.blocks[5].attn.gate[...]
+  assert g.shape == (12, 2) and 0 <= float(g.min()) and float(g.max()) <= 0.02
+  t = m.tables["layer_5"][...]
+  assert float(jnp.max(jnp.abs(t))) <= s and float(jnp.std(t)) > 0.5 * s / np.sqrt(3)
+  learn = model_lib.init_model(small_config("gpt_base_add_init_v_learn"), jax.random.key(0))
+  assert float(learn.blocks[5].attn.coeffs["alpha"][...]) == 1.0
+  assert float(learn.blocks[5].attn.coeffs["beta"][...]) == 0.0
+
+
+def _param_names(preset, **kw):
+  st = nnx.state(nnx.eval_shape(lambda: model_lib.build(small_config(preset, **kw))))
+  return {"/".join(str(p) for p in path) for path, _ in nnx.to_flat_state(st)}
+
+
+def test_parameter_sets_per_preset():
+  base = _param_names("gpt_base")
+  assert all(f"blocks/{i}/attn/wv" in base for i in range(6))
+  assert not any(n.startswith("tables") or "coeffs" in n or "gate" in n for n in base)
+  bov = _param_names("gpt_base_v_from_value_emb_learn")
+  assert {n for n in bov if n.startswith("tables")} == {"tables/layer_4", "tables/layer_5"}
+  assert "blocks/4/attn/wv" not in bov and "blocks/5/attn/wv" not in bov
+  assert "blocks/3/attn/wv" in bov and "blocks/5/attn/coeffs/gamma" in bov
+  assert "blocks/3/attn/coeffs/gamma" not in bov
+  shared = _param_names("gpt_base_v_from_value_emb_learn_shared")
+  assert {n for n in shared if n.startswith("tables")} == {"tables/shared"}
+  fixed = _param_names("gpt_base_v_from_value_emb")
+  assert not any("coeffs" in n for n in fixed)
+  v1 = _param_names("gpt_base_v_from_v1_every_layer")
+  assert "blocks/0/attn/wv" in v1 and not any(f"blocks/{i}/attn/wv" in v1 for i in range(1, 6))
+  x0 = _param_names("gpt_base_v_from_x0_learn")
+  assert all(f"blocks/{i}/attn/wv" in x0 for i in range(6))
+  add = _param_names("gpt_base_add_init_v_learn")
+  assert {"blocks/5/attn/coeffs/alpha", "blocks/5/attn/coeffs/beta"} <= add
+  gated = _param_names("gpt_base_add_init_value_emb_nanogpt_every2")
+  assert {n for n in gated if n.endswith("gate")} == {f"blocks/{i}/attn/gate" for i in (1, 3, 5)}
+  assert all(f"blocks/{i}/attn/wv" in gated for i in range(6))
+  scale = _param_names("gpt_base_v_scale_learn")
+  assert "blocks/5/attn/coeffs/gamma" in scale and "blocks/5/attn/wv" in scale
+
+
+@pytest.mark.parametrize("preset", ALL_PRESETS)
+def test_every_mode_runs_forward_and_backward(preset):
+  # W_o = 0 at init would zero every value gradient, hence the perturbed weights;
+  # three layers keep compile time down and still give every mode a target.
+  m = _perturbed(small_config(preset, n_layer=3))
+  graphdef, state = nnx.split(m)
+  idx = _idx(T=24)
+
+  @jax.jit
+  def loss_and_grad(state):
+    def f(state):
+      return nnx.merge(graphdef, state).loss(idx[:, :-1], idx[:, 1:])
+    return jax.value_and_grad(f)(state)
+
+  loss, grads = loss_and_grad(state)
+  assert np.isfinite(float(loss)) and abs(float(loss) - np.log(100)) < 1.0
+  for path, g in nnx.to_flat_state(grads):  # every parameter, tables included, learns
+    g = np.asarray(g[...])
+    assert np.all(np.isfinite(g)) and np.abs(g).max() > 0, path
+
+
+def test_loss_ignores_minus_one_targets():
+  m = _perturbed(small_config("gpt_base"))
+  idx = _idx(T=16)
+  tgt = idx.at[:, 8:].set(-1)
+  nll = m.token_losses(idx, tgt)
+  assert float(jnp.abs(nll[:, 8:]).max()) == 0
+  np.testing.assert_allclose(float(m.loss(idx, tgt)), float(nll[:, :8].mean()), rtol=1e-6)
+
+
+def test_bf16_compute_keeps_fp32_master_weights():
+  cfg = small_config("gpt_base_v_from_value_emb_learn", dtype="bfloat16")
+  m = model_lib.init_model(cfg, jax.random.key(0))
+  assert m.wte[...].dtype == jnp.float32 and m.tables["layer_5"][...].dtype == jnp.float32
+  out = m(_idx())
+  assert out.dtype == jnp.float32 and np.all(np.isfinite(np.asarray(out)))
+  ref = model_lib.init_model(small_config("gpt_base_v_from_value_emb_learn"), jax.random.key(0))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref(_idx())), atol=5e-2)

@@ -1,0 +1,71 @@
+"""`--mode=plan`: parameters, FLOPs and budgets of SPEC section 3, exactly."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bov_jax import config as config_lib
+from bov_jax import plan
+from tests.helpers import small_config
+
+
+def _plan_cli(config, *overrides):
+  out = subprocess.run([sys.executable, "-m", "bov_jax.main", f"--config={config}",
+                        "--mode=plan", *overrides], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("config, params, fpt, iters, tokens_per_step", [
+    ("configs/baseline_135m.py", 135.3e6, 7.5969e8, 3766, 524288),
+    ("configs/bov_135m.py", None, 7.4554e8, 3838, 524288),
+    ("configs/baseline_780m.py", 780.1e6, 4.7752e9, 7809, 1048576),
+    ("configs/bov_780m.py", None, 4.6620e9, 7998, 1048576),
+])
+def test_paper_budgets(config, params, fpt, iters, tokens_per_step):
+  p = _plan_cli(config)
+  assert round(p["flops_per_token"] / fpt, 4) == 1.0
+  assert f"{p['flops_per_token']:.4e}" == f"{fpt:.4e}"
+  assert p["num_iterations"] == iters
+  assert p["tokens_per_step"] == tokens_per_step
+  assert p["total_tokens"] == iters * tokens_per_step
+  if params:
+    assert f"{p['params'] / 1e6:.1f}" == f"{params / 1e6:.1f}"
+    assert p["params_dense"] == p["params"]
+  for key in ("preset", "params", "params_dense", "target_layers"):
+    assert key in p
+
+
+def test_bov_plan_fields():
+  p = _plan_cli("configs/bov_780m.py")
+  assert p["target_layers"] == list(range(16, 24))
+  assert p["params"] - p["params_dense"] == 8 * 32768 * 1536  # eight tables
+  assert p["params_dense"] == 780140569 - 8 * 1536 * 1536 + 8  # minus W_v, plus gammas
+  assert f"{p['total_tokens'] / 1e9:.2f}" == "8.39"
+
+
+def test_num_iterations_override_and_cli_overrides():
+  p = _plan_cli("configs/tiny.py", "--config.train.num_iterations=7", "--config.model.n_layer=9")
+  assert p["num_iterations"] == 7 and p["target_layers"] == [6, 7, 8]
+
+
+def test_value_matmuls_counted_per_use():
+  """x0 + add applies W_v twice (x W_v and x0 W_v), so it counts twice; V1 replace drops W_v."""
+  base = plan.param_counts(small_config("gpt_base"))["n_matmul"]
+  wv = 64 * 32
+  assert plan.param_counts(small_config("gpt_base_add_init_res_v"))["n_matmul"] == base + 2 * wv
+  assert plan.param_counts(small_config("gpt_base_v_from_x0"))["n_matmul"] == base
+  assert plan.param_counts(small_config("gpt_base_v_from_v1"))["n_matmul"] == base - 2 * wv
+  assert plan.param_counts(small_config("gpt_base_add_init_value_emb_nanogpt"))["n_matmul"] == base + 2 * 12 * 2
+
+
+def test_attention_flops_use_windows():
+  c = small_config("gpt_base", sequence_len=64, short_window=8)
+  assert plan.attention_flops(c) == 12 * 64 * (4 * 8 + 2 * 64)  # SSSL SL: layer 3 and the last are long
+  assert config_lib.window_sizes(c)[-1] == 64
+
+
+def test_scaling_params_is_dense_layout():
+  assert plan.scaling_params(config_lib.depth_config(12)) == 110100480
+  assert plan.scaling_params(config_lib.depth_config(12, "gpt_base_v_from_value_emb_learn")) == 110100480
