@@ -10,6 +10,7 @@ import sys
 
 from absl import app
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
 MODES = ("train", "plan", "eval", "sample")
@@ -34,12 +35,25 @@ def run(mode: str, cfg, workdir: str | None) -> int:
     from bov_jax import plan
     _print_json(plan.make_plan(cfg))
     return 0
+  from bov_jax import train
+  try:
+    if mode == "train":
+      train.train(cfg, workdir)
+      return 0
+    if mode == "eval":
+      _print_json(train.evaluate_checkpoint(cfg, workdir))
+      return 0
+  except (ValueError, FileNotFoundError, train.TrainError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1 if isinstance(e, train.TrainError) else 2
   print(f"error: --mode={mode} is not yet available in this version of bov_jax "
-        f"(available: plan)", file=sys.stderr)
+        f"(available: train, plan, eval)", file=sys.stderr)
   return 2
 
 
 def main(argv):
+  # orbax and grain log every file operation at INFO; keep the console to our progress lines
+  logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _CONFIG.value is None:

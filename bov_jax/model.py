@@ -293,6 +293,14 @@ def init_weights(model: GPT, key) -> None:
       set_(table, rmsnorm(model.wte[...].astype(jnp.float32)) @ wv_init[layer])
 
 
+def describe(cfg) -> str:
+  m = cfg.model
+  mode = config_lib.value_mode(cfg)
+  name = mode.preset or f"{mode.source}/{mode.combine}/{mode.coeff}/{mode.layers}"
+  return (f"{m.n_layer}L d{m.n_embd} H{m.n_head}/{m.n_kv_head} T{m.sequence_len} "
+          f"V{m.vocab_size} {name}")
+
+
 def build(cfg) -> GPT:
   """An un-initialised (zero) model; cheap under nnx.eval_shape."""
   return GPT(cfg)

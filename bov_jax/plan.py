@@ -101,3 +101,43 @@ def make_plan(cfg) -> dict:
       "total_flops": float(fpt) * iters * tokens_per_step,
       "windows": config_lib.window_sizes(cfg),
   }
+
+
+# Dense bf16 datasheet peaks, FLOP/s per chip.
+DATASHEET_PEAK = {
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
+    "TPU v5": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12,
+    "H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12,
+}
+
+
+def measured_cpu_peak(n: int = 1024, repeats: int = 5) -> float:
+  """The best of a few large fp32 matmuls on this host, FLOP/s."""
+  import time
+  import jax.numpy as jnp
+  a = jnp.ones((n, n), jnp.float32)
+  f = jax.jit(lambda a: a @ a)
+  f(a).block_until_ready()
+  best = 0.0
+  for _ in range(repeats):
+    t = time.perf_counter()
+    f(a).block_until_ready()
+    best = max(best, 2 * n ** 3 / (time.perf_counter() - t))
+  return best
+
+
+_PEAK_CACHE = {}
+
+
+def peak_flops(device=None) -> float:
+  """Peak FLOP/s of one device: datasheet on TPU/GPU, measured on CPU."""
+  device = device or jax.devices()[0]
+  kind = getattr(device, "device_kind", "")
+  if device.platform == "cpu":
+    if "cpu" not in _PEAK_CACHE:
+      _PEAK_CACHE["cpu"] = measured_cpu_peak()
+    return _PEAK_CACHE["cpu"]
+  for name, value in DATASHEET_PEAK.items():
+    if name.lower() in kind.lower():
+      return value
+  return float("nan")

@@ -1,0 +1,197 @@
+"""The paper's optimizer (SPEC section 4): Muon for block matrices, AdamW groups for the rest.
+
+optax's `contrib.muon` is a different Muon (no variance reduction, other
+coefficients, no cautious weight decay), so the reference's is written here as
+an optax GradientTransformation; the groups are combined with `optax.partition`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+MUON_BETA2 = 0.9
+
+# group -> (betas, weight decay); learning rates come from `hyperparams`.
+ADAM_GROUPS = {
+    "unembed": ((0.8, 0.96), 0.01),
+    "embed": ((0.8, 0.995), 0.001),
+    "smear": ((0.8, 0.95), 0.0),
+    "alpha": ((0.8, 0.95), 0.05),
+    "beta_gamma": ((0.96, 0.95), 0.0),
+    "table": ((0.8, 0.995), 0.01),
+}
+
+
+# -- schedules (step `it` from 0; jnp so they trace) ----------------------------
+
+def lr_multiplier(it, n, warmup=40, warmdown_ratio=0.65, final_frac=0.05):
+  w = round(warmdown_ratio * n)
+  it = jnp.asarray(it, jnp.float32)
+  p = (n - it) / max(w, 1)
+  return jnp.where(it < warmup, (it + 1) / warmup,
+                   jnp.where(it <= n - w, 1.0, p + (1 - p) * final_frac))
+
+
+def muon_momentum(it, n, warmdown_ratio=0.65):
+  w = round(warmdown_ratio * n)
+  it = jnp.asarray(it, jnp.float32)
+  warm = 0.85 + (0.97 - 0.85) * jnp.minimum(it / 400.0, 1.0)
+  frac = (it - (n - w)) / max(w, 1)
+  return jnp.where(it > n - w, 0.97 + (0.90 - 0.97) * frac, warm)
+
+
+def muon_weight_decay(it, n, wd):
+  return wd * 0.5 * (1 + jnp.cos(jnp.pi * jnp.asarray(it, jnp.float32) / n))
+
+
+# -- Muon ------------------------------------------------------------------------
+
+class MuonState(NamedTuple):
+  count: jnp.ndarray
+  momentum: Any
+  second: Any
+
+
+def polar_express(u):
+  """Approximate orthogonalisation (polar factor) of a matrix, 5 Polar Express steps."""
+  x = u / (jnp.linalg.norm(u) * 1.01 + 1e-6)
+  tall = x.shape[0] > x.shape[1]
+  if tall:  # iterate on the smaller Gram matrix
+    x = x.T
+  for a, b, c in POLAR_EXPRESS:
+    gram = x @ x.T
+    x = a * x + (b * gram + c * gram @ gram) @ x
+  return x.T if tall else x
+
+
+def _reduce_axis(shape) -> int:
+  """Our weights are [fan_in, fan_out]. Variance is averaged over the smaller
+  dimension; for a square matrix over fan_in, giving one entry per output unit."""
+  fan_in, fan_out = shape
+  return 0 if fan_out >= fan_in else 1
+
+
+def _second_shape(shape):
+  axis = _reduce_axis(shape)
+  return (1, shape[1]) if axis == 0 else (shape[0], 1)
+
+
+def muon_direction(g, buf, buf2, momentum):
+  """One matrix's Muon direction and new buffers (steps 1-3 of SPEC section 4)."""
+  g = g.astype(jnp.float32)
+  buf = momentum * buf + (1 - momentum) * g
+  u = (1 - momentum) * g + momentum * buf
+  x = polar_express(u)
+  axis = _reduce_axis(x.shape)
+  n_red = x.shape[axis]
+  v = jnp.mean(x * x, axis=axis, keepdims=True)
+  buf2 = MUON_BETA2 * buf2 + (1 - MUON_BETA2) * v
+  step = jax.lax.rsqrt(jnp.maximum(buf2, 1e-10))
+  norm = jnp.sqrt(jnp.sum(v) * n_red)
+  new_norm = jnp.sqrt(jnp.sum(v * n_red * step * step))
+  x = x * step * (norm / jnp.maximum(new_norm, 1e-10))
+  return x, buf, buf2
+
+
+def muon(learning_rate, momentum, weight_decay) -> optax.GradientTransformation:
+  """The reference's Muon. Each argument is a schedule: step -> value."""
+
+  def init(params):
+    return MuonState(
+        count=jnp.zeros([], jnp.int32),
+        momentum=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+        second=jax.tree.map(lambda p: jnp.zeros(_second_shape(p.shape), jnp.float32), params))
+
+  def update(grads, state, params):
+    if params is None:
+      raise ValueError("muon needs params (cautious weight decay)")
+    it = state.count
+    lr, m, wd = learning_rate(it), momentum(it), weight_decay(it)
+
+    def one(g, buf, buf2, p):
+      x, buf, buf2 = muon_direction(g, buf, buf2, m)
+      fan_in, fan_out = p.shape
+      lr_eff = lr * math.sqrt(max(1.0, fan_out / fan_in))
+      pf = p.astype(jnp.float32)
+      mask = (x * pf >= 0).astype(jnp.float32)  # cautious: decay only where it agrees
+      return (-(lr_eff * x + lr_eff * wd * pf * mask)).astype(p.dtype), buf, buf2
+
+    out = jax.tree.map(one, grads, state.momentum, state.second, params)
+    is_triple = lambda t: isinstance(t, tuple) and len(t) == 3
+    updates = jax.tree.map(lambda t: t[0], out, is_leaf=is_triple)
+    bufs = jax.tree.map(lambda t: t[1], out, is_leaf=is_triple)
+    bufs2 = jax.tree.map(lambda t: t[2], out, is_leaf=is_triple)
+    return updates, MuonState(it + 1, bufs, bufs2)
+
+  return optax.GradientTransformation(init, update)
+
+
+# -- groups ------------------------------------------------------------------------
+
+def label(path: tuple[str, ...]) -> str:
+  """The optimizer group of a parameter, from its path in the model."""
+  head = path[0]
+  if head == "lm_head":
+    return "unembed"
+  if head == "wte":
+    return "embed"
+  if head in ("smear_w", "smear_lambda"):
+    return "smear"
+  if head == "tables":
+    return "table"
+  if "coeffs" in path:
+    return "alpha" if path[-1] == "alpha" else "beta_gamma"
+  if head == "blocks":
+    return "muon"
+  raise ValueError(f"no optimizer group for parameter {'/'.join(path)}")
+
+
+def labels(params):
+  def f(path, _):
+    return label(tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path))
+  return jax.tree_util.tree_map_with_path(f, params)
+
+
+def hyperparams(cfg, scaling_params: int, ref_scaling_params: int) -> dict:
+  """Effective learning rates and Muon weight decay for this config (SPEC section 4)."""
+  o = cfg.optim
+  d = cfg.model.n_embd
+  dmodel_scale = (d / 768) ** -0.5
+  batch_scale = math.sqrt(cfg.train.batch_tokens / 2 ** 19)
+  return {
+      "unembed": o.unembedding_lr * dmodel_scale * batch_scale,
+      "embed": o.embedding_lr * dmodel_scale * batch_scale,
+      "smear": 0.2,  # fixed in the reference, not derived from a base LR
+      "alpha": o.scalar_lr * 0.01 * batch_scale,
+      "beta_gamma": o.scalar_lr * batch_scale,
+      "table": o.embedding_lr * dmodel_scale * 0.5 * batch_scale,
+      "muon": o.matrix_lr * batch_scale,
+      "muon_weight_decay": o.weight_decay * batch_scale * ref_scaling_params / scaling_params,
+  }
+
+
+def make(cfg, num_iterations: int, hp: dict) -> optax.GradientTransformation:
+  o = cfg.optim
+  mult = lambda it: lr_multiplier(it, num_iterations, o.warmup_steps, o.warmdown_ratio,
+                                  o.final_lr_frac)
+  groups = {}
+  for name, (betas, wd) in ADAM_GROUPS.items():
+    groups[name] = optax.adamw(learning_rate=lambda it, lr=hp[name]: lr * mult(it),
+                               b1=betas[0], b2=betas[1], eps=1e-10, weight_decay=wd)
+  groups["muon"] = muon(
+      learning_rate=lambda it: hp["muon"] * mult(it),
+      momentum=lambda it: muon_momentum(it, num_iterations, o.warmdown_ratio),
+      weight_decay=lambda it: muon_weight_decay(it, num_iterations, hp["muon_weight_decay"]))
+  return optax.partition(groups, labels)

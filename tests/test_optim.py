@@ -1,0 +1,192 @@
+"""The optimizer against a plain numpy transcription of SPEC section 4."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from bov_jax import config as config_lib
+from bov_jax import optim
+from bov_jax import plan
+
+PE = [(8.156554524902461, -22.48329292557795, 15.878769915207462),
+      (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+      (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+      (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+      (2.3465413258596377, -1.7097828382687081, 0.42323551169305323)]
+
+
+def np_lr_mult(it, n):
+  w = round(0.65 * n)
+  if it < 40:
+    return (it + 1) / 40
+  if it <= n - w:
+    return 1.0
+  p = (n - it) / w
+  return p + (1 - p) * 0.05
+
+
+def np_momentum(it, n):
+  w = round(0.65 * n)
+  if it > n - w:
+    return 0.97 + (0.90 - 0.97) * (it - (n - w)) / w
+  return 0.85 + 0.12 * min(it / 400, 1)
+
+
+class NumpyMuon:
+  """SPEC section 4 on a reference-layout matrix W [fan_out, fan_in] (float64)."""
+
+  def __init__(self, shape):
+    self.buf = np.zeros(shape)
+    out, inp = shape
+    self.red = -1 if out >= inp else -2  # over the smaller dim; square: per output
+    self.buf2 = np.zeros((out, 1) if self.red == -1 else (1, inp))
+
+  def step(self, p, g, lr, m, wd):
+    self.buf = m * self.buf + (1 - m) * g
+    u = (1 - m) * g + m * self.buf
+    x = u / (np.linalg.norm(u) * 1.01 + 1e-6)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+      x = x.T
+    for a, b, c in PE:
+      A = x @ x.T
+      x = a * x + (b * A + c * A @ A) @ x
+    if tall:
+      x = x.T
+    v = np.mean(x * x, axis=self.red, keepdims=True)
+    self.buf2 = 0.9 * self.buf2 + 0.1 * v
+    y = x / np.sqrt(np.maximum(self.buf2, 1e-10))
+    y = y * np.linalg.norm(x) / np.linalg.norm(y)
+    out, inp = p.shape
+    lr_eff = lr * math.sqrt(max(1, out / inp))
+    mask = (y * p >= 0)
+    return p - (lr_eff * y + lr_eff * wd * p * mask)
+
+
+class NumpyAdamW:
+  def __init__(self, shape, b1, b2, wd):
+    self.m, self.v, self.t = np.zeros(shape), np.zeros(shape), 0
+    self.b1, self.b2, self.wd = b1, b2, wd
+
+  def step(self, p, g, lr):
+    self.t += 1
+    p = p * (1 - lr * self.wd)
+    self.m = self.b1 * self.m + (1 - self.b1) * g
+    self.v = self.b2 * self.v + (1 - self.b2) * g * g
+    mh, vh = self.m / (1 - self.b1 ** self.t), self.v / (1 - self.b2 ** self.t)
+    return p - lr * mh / (np.sqrt(vh) + 1e-10)
+
+
+def test_schedules_match_spec():
+  for n in (50, 1000, 3766):
+    for it in sorted({0, 1, 39, 40, 41, 300, 399, 400, n - round(0.65 * n), n // 2, n - 1}):
+      if it >= n:
+        continue
+      assert float(optim.lr_multiplier(it, n)) == pytest.approx(np_lr_mult(it, n), abs=1e-6)
+      assert float(optim.muon_momentum(it, n)) == pytest.approx(np_momentum(it, n), abs=1e-6)
+      assert float(optim.muon_weight_decay(it, n, 0.28)) == pytest.approx(
+          0.28 * 0.5 * (1 + math.cos(math.pi * it / n)), abs=1e-6)
+  assert float(optim.lr_multiplier(999, 1000)) == pytest.approx(1 / 650 + (1 - 1 / 650) * 0.05)
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (6, 10), (12, 5)])
+def test_muon_matches_numpy_over_several_steps(shape):
+  """Our weights are [fan_in, fan_out]: the numpy reference works on the transpose."""
+  n_steps, n_iter, base_lr, wd = 4, 100, 0.02, 0.28
+  rng = np.random.default_rng(0)
+  p0 = rng.standard_normal(shape).astype(np.float32)
+  grads = [rng.standard_normal(shape).astype(np.float32) for _ in range(n_steps)]
+  tx = optim.muon(lambda it: base_lr * optim.lr_multiplier(it, n_iter),
+                  lambda it: optim.muon_momentum(it, n_iter),
+                  lambda it: optim.muon_weight_decay(it, n_iter, wd))
+  p, state = jnp.asarray(p0), tx.init(jnp.asarray(p0))
+  ref, pr = NumpyMuon(shape[::-1]), p0.T.astype(np.float64)
+  for it, g in enumerate(grads):
+    upd, state = jax.jit(tx.update)(jnp.asarray(g), state, p)
+    p = optax.apply_updates(p, upd)
+    pr = ref.step(pr, g.T.astype(np.float64), base_lr * np_lr_mult(it, n_iter),
+                  np_momentum(it, n_iter), wd * 0.5 * (1 + math.cos(math.pi * it / n_iter)))
+    np.testing.assert_allclose(np.asarray(p), pr.T, rtol=2e-4, atol=2e-6)
+
+
+def test_polar_express_orthogonalises():
+  x = jax.random.normal(jax.random.key(0), (32, 64))
+  o = np.asarray(optim.polar_express(x))
+  s = np.linalg.svd(o, compute_uv=False)
+  assert 0.6 < s.min() and s.max() < 1.3  # Polar Express lands singular values near 1
+
+
+def _tiny_params():
+  rng = np.random.default_rng(1)
+  r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  return {"wte": r(16, 8), "lm_head": r(8, 16), "smear_w": r(24), "smear_lambda": r(),
+          "blocks": {0: {"attn": {"wq": r(8, 8), "coeffs": {"alpha": r(), "beta": r()}},
+                         "mlp": {"w_fc": r(8, 32)}},
+                     1: {"attn": {"coeffs": {"gamma": r()}, "gate": r(12, 2)}}},
+          "tables": {"layer_1": r(16, 8)}}
+
+
+def test_groups_by_path():
+  lab = optim.labels(_tiny_params())
+  assert lab["wte"] == "embed" and lab["lm_head"] == "unembed"
+  assert lab["smear_w"] == lab["smear_lambda"] == "smear"
+  assert lab["blocks"][0]["attn"]["wq"] == lab["blocks"][0]["mlp"]["w_fc"] == "muon"
+  assert lab["blocks"][1]["attn"]["gate"] == "muon"
+  assert lab["blocks"][0]["attn"]["coeffs"]["alpha"] == "alpha"
+  assert lab["blocks"][0]["attn"]["coeffs"]["beta"] == "beta_gamma"
+  assert lab["blocks"][1]["attn"]["coeffs"]["gamma"] == "beta_gamma"
+  assert lab["tables"]["layer_1"] == "table"
+
+
+def test_paper_hyperparameters():
+  for depth, batch, matrix, scalar, wd in ((12, 2 ** 19, 0.02, 0.5, 0.28),
+                                           (24, 2 ** 20, 0.0283, 0.707, 0.0597)):
+    c = config_lib.depth_config(depth, "gpt_base_v_from_value_emb_learn")
+    c.train.batch_tokens = batch
+    hp = optim.hyperparams(c, plan.scaling_params(c),
+                           plan.scaling_params(config_lib.depth_config(12)))
+    assert hp["muon"] == pytest.approx(matrix, abs=5e-5)
+    assert hp["beta_gamma"] == pytest.approx(scalar, abs=5e-4)
+    assert hp["muon_weight_decay"] == pytest.approx(wd, abs=5e-5)
+    assert hp["table"] == pytest.approx(0.15, abs=1e-9)
+    assert hp["smear"] == 0.2
+
+
+def test_full_optimizer_matches_numpy_per_group():
+  """Several steps of the partitioned optimizer: every group against its numpy transcription."""
+  c = config_lib.depth_config(12)
+  n = 50
+  hp = {"unembed": 0.008, "embed": 0.3, "smear": 0.2, "alpha": 0.005, "beta_gamma": 0.5,
+        "table": 0.15, "muon": 0.02, "muon_weight_decay": 0.28}
+  tx = optim.make(c, n, hp)
+  params = _tiny_params()
+  state = tx.init(params)
+  flat, tree = jax.tree.flatten(params)
+  labels = jax.tree.leaves(optim.labels(params))
+  refs = []
+  for p, lab in zip(flat, labels):
+    if lab == "muon":
+      refs.append(NumpyMuon(p.shape[::-1]))
+    else:
+      (b1, b2), wd = optim.ADAM_GROUPS[lab]
+      refs.append(NumpyAdamW(p.shape, b1, b2, wd))
+  ref_p = [np.asarray(p, np.float64) for p in flat]
+  rng = np.random.default_rng(7)
+  update = jax.jit(tx.update)
+  for it in range(3):
+    grads = [rng.standard_normal(p.shape).astype(np.float32) for p in flat]
+    upd, state = update(jax.tree.unflatten(tree, [jnp.asarray(g) for g in grads]), state, params)
+    params = optax.apply_updates(params, upd)
+    mult = np_lr_mult(it, n)
+    for k, (lab, ref) in enumerate(zip(labels, refs)):
+      if lab == "muon":
+        ref_p[k] = ref.step(ref_p[k].T, grads[k].T.astype(np.float64), 0.02 * mult,
+                            np_momentum(it, n),
+                            0.28 * 0.5 * (1 + math.cos(math.pi * it / n))).T
+      else:
+        ref_p[k] = ref.step(ref_p[k], grads[k].astype(np.float64), hp[lab] * mult)
+    for got, want, lab in zip(jax.tree.leaves(params), ref_p, labels):
+      np.testing.assert_allclose(np.asarray(got), want, rtol=3e-4, atol=3e-6, err_msg=lab)
