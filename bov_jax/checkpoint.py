@@ -17,6 +17,7 @@ import os
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
 
 
@@ -26,18 +27,17 @@ def checkpoint_dir(workdir: str) -> str:
 
 
 def write_config(workdir: str, cfg) -> None:
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(cfg.to_json(indent=2))
+  d = epath.Path(workdir)
+  d.mkdir(parents=True, exist_ok=True)
+  (d / "config.json").write_text(cfg.to_json(indent=2))
 
 
 def read_config(workdir: str):
   import ml_collections
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
+  path = epath.Path(workdir) / "config.json"
+  if not path.exists():
     raise FileNotFoundError(f"--workdir={workdir} holds no config.json (not a bov_jax run)")
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+  return ml_collections.ConfigDict(json.loads(path.read_text()))
 
 
 def manager(workdir: str, keep: int = 3, async_save: bool = True) -> ocp.CheckpointManager:

@@ -36,6 +36,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.short_window = 0          # 0: the reference's rule, ceil((T // 4) / 128) * 128
   m.dtype = "float32"         # compute dtype (bfloat16 on accelerators)
   m.param_dtype = "float32"   # master weights
+  m.table_lookup = "auto"     # auto | shard_map | gather | one_hot (see sharding.py)
   m.value = v = ml_collections.ConfigDict()
   v.preset = ""               # a reference model_type name; sets the four below
   v.source = config_dict.placeholder(str)    # residual | x0 | v1 | table
@@ -149,6 +150,10 @@ def validate(cfg) -> values.ValueMode:
   for name in ("dtype", "param_dtype"):
     if m[name] not in DTYPES:
       raise ConfigError(f"model.{name}={m[name]!r}: expected one of {', '.join(DTYPES)}")
+  from bov_jax import sharding
+  if m.table_lookup not in sharding.LOOKUPS:
+    raise ConfigError(f"model.table_lookup={m.table_lookup!r}: expected one of "
+                      f"{', '.join(sharding.LOOKUPS)}")
   mode = values.resolve(m.value, m.n_layer)
   if mode.combine == "gated_add" and m.n_embd < values.GATE_CHANNELS:
     raise ConfigError(

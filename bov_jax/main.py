@@ -18,6 +18,16 @@ MODES = ("train", "plan", "eval", "sample")
 _CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, tokenizer).")
 _MODE = flags.DEFINE_enum("mode", "train", MODES, "What to do.")
+_DISTRIBUTED = flags.DEFINE_enum(
+    "distributed", "auto", ("auto", "true", "false"),
+    "Call jax.distributed.initialize() (auto: on multi-host TPU pods and when "
+    "JAX_COORDINATOR_ADDRESS is set).")
+
+
+def _multi_host_env() -> bool:
+  import os
+  hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+  return "," in hosts or bool(os.environ.get("JAX_COORDINATOR_ADDRESS"))
 
 
 def _print_json(obj) -> None:
@@ -58,6 +68,10 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _CONFIG.value is None:
     raise app.UsageError("--config=FILE is required (for example configs/tiny.py)")
+  if _MODE.value != "plan" and (_DISTRIBUTED.value == "true" or
+                                (_DISTRIBUTED.value == "auto" and _multi_host_env())):
+    import jax
+    jax.distributed.initialize()
   sys.exit(run(_MODE.value, _CONFIG.value, _WORKDIR.value))
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from bov_jax import config as config_lib
+from bov_jax import sharding
 from bov_jax import values
 
 SMEAR_CHANNELS = 24
@@ -138,6 +139,7 @@ class GPT(nnx.Module):
     self.mode = mode
     self.vocab_size = m.vocab_size
     self.compute_dtype = jnp.dtype(m.dtype)
+    self.table_lookup = m.table_lookup
     Vp = values.padded_vocab(m.vocab_size)
     D = m.n_embd
     K, E = m.n_kv_head, m.n_embd // m.n_head
@@ -184,7 +186,7 @@ class GPT(nnx.Module):
       return v1_BTKE
     attn = self.blocks[i].attn
     B, T = idx_BT.shape
-    rows = values.lookup(self.tables[self.table_of[i]][...], idx_BT)
+    rows = sharding.table_lookup(self.tables[self.table_of[i]][...], idx_BT, self.table_lookup)
     return rows.astype(self.compute_dtype).reshape(B, T, attn.n_kv_head, attn.head_dim)
 
   def hidden(self, idx_BT, return_kv: bool = False):
@@ -306,17 +308,19 @@ def build(cfg) -> GPT:
   return GPT(cfg)
 
 
+def init_model_eager(cfg, key) -> GPT:
+  """Builds and initialises a model (call under jit to avoid materialising zeros)."""
+  model = GPT(cfg)
+  init_weights(model, key)
+  return model
+
+
 def init_model(cfg, key=None, out_shardings=None) -> GPT:
   """Builds and initialises the model inside one jit, so no tensor exists twice
   and (with out_shardings) every parameter is created already sharded."""
   if key is None:
     key = jax.random.key(cfg.train.seed)
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg)))
-
-  def make(key):
-    model = GPT(cfg)
-    init_weights(model, key)
-    return nnx.state(model)
-
-  state = jax.jit(make, out_shardings=out_shardings)(key)
+  state = jax.jit(lambda k: nnx.state(init_model_eager(cfg, k)),
+                  out_shardings=out_shardings)(key)
   return nnx.merge(graphdef, state)

@@ -77,6 +77,40 @@ def num_iterations(cfg, fpt: int | None = None) -> int:
   return int(round(cfg.train.target_flops / (fpt * cfg.train.batch_tokens)))
 
 
+class _MeshSizes:
+  """Just the axis sizes of a mesh: enough for the sharding rules, no devices needed."""
+
+  def __init__(self, sizes):
+    from bov_jax import sharding
+    self.shape = dict(zip(sharding.MESH_AXES, sizes))
+
+
+def memory_per_device(cfg, num_iterations: int = 100) -> dict:
+  """Parameter and optimizer-state bytes one device holds under the configured mesh,
+  from the real sharding rules applied to abstract shapes (nothing is allocated)."""
+  import math as _m
+  from bov_jax import optim
+  from bov_jax import sharding
+  sizes = (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  fixed = _m.prod(s for s in sizes if s > 0)
+  # The plan is for the configured mesh, not for this host's devices: -1 takes what
+  # is here (at least 1), fixed sizes are taken as given.
+  n_dev = fixed * max(1, jax.device_count() // fixed) if -1 in sizes else fixed
+  sizes = sharding.mesh_shape(cfg, n_dev)
+  mesh = _MeshSizes(sizes)
+  abstract = abstract_state(cfg)
+  specs = sharding.param_specs(abstract, mesh)
+  params = nnx.to_pure_dict(abstract)
+  params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), params)
+  hp = {k: 1e-3 for k in list(optim.ADAM_GROUPS) + ["muon", "muon_weight_decay"]}
+  tx = optim.make(cfg, num_iterations, hp)
+  opt = jax.eval_shape(tx.init, params)
+  opt_specs = sharding.like_params(opt, specs, params)
+  return {"mesh": dict(mesh.shape),
+          "param_bytes_per_device": sharding.bytes_per_device(params, specs, mesh.shape),
+          "optimizer_bytes_per_device": sharding.bytes_per_device(opt, opt_specs, mesh.shape)}
+
+
 def make_plan(cfg) -> dict:
   mode = config_lib.validate(cfg)
   counts = param_counts(cfg)
@@ -100,6 +134,7 @@ def make_plan(cfg) -> dict:
       "total_tokens": iters * tokens_per_step,
       "total_flops": float(fpt) * iters * tokens_per_step,
       "windows": config_lib.window_sizes(cfg),
+      **memory_per_device(cfg, iters),
   }
 
 

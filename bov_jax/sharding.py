@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -100,3 +101,118 @@ def batch_sharding(mesh, leading_dims: int = 1) -> NamedSharding:
 def global_batch(local: np.ndarray, mesh, leading_dims: int = 1):
   """A global array from each process's rows (multi-host: every process calls this)."""
   return jax.make_array_from_process_local_data(batch_sharding(mesh, leading_dims), local)
+
+
+# -- value-table lookups ----------------------------------------------------------------
+#
+# A BoV table is [V, kv_dim] per target layer, split over its vocabulary axis
+# (`table_vocab` -> fsdp x tensor). Three ways to read rows E[idx]:
+#   shard_map  each device gathers the rows it owns (others masked to zero), then
+#              psum over the vocab axes -- or psum_scatter over an axis that also
+#              splits the batch. Only activations move; the backward is a local
+#              scatter-add. The default wherever the table is split.
+#   gather     jnp.take under the compiler's sharding propagation.
+#   one_hot    one_hot(idx) @ E: a matmul, which all-gathers an FSDP-split table.
+
+LOOKUPS = ("auto", "shard_map", "gather", "one_hot")
+
+
+def _table_axes(mesh, n_rows: int):
+  """The mesh axes the table's vocabulary is split over (what RULES gives it)."""
+  spec = logical_to_spec(("table_vocab", None), (n_rows, 1), mesh)[0]
+  if spec is None:
+    return ()
+  return (spec,) if isinstance(spec, str) else tuple(spec)
+
+
+def table_lookup(table_VD, idx_BT, impl: str = "auto"):
+  """Rows of a (possibly vocab-split) table for token ids, [B, T, D]."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if impl == "one_hot":
+    return jax.nn.one_hot(idx_BT, table_VD.shape[0], dtype=table_VD.dtype) @ table_VD
+  if mesh.empty or impl == "gather":
+    return jnp.take(table_VD, idx_BT, axis=0)
+  vocab_axes = _table_axes(mesh, table_VD.shape[0])
+  if not vocab_axes:
+    return jnp.take(table_VD, idx_BT, axis=0)
+  batch_axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+  if idx_BT.shape[0] % math.prod(mesh.shape[a] for a in batch_axes):
+    batch_axes = ()  # a batch too small to split (decoding one sequence)
+  shared = tuple(a for a in vocab_axes if a in batch_axes)  # split both ways
+  only_vocab = tuple(a for a in vocab_axes if a not in shared)
+
+  def local(table, idx):
+    if shared:  # ids of the whole group sharing these axes, then scatter the rows back
+      idx = jax.lax.all_gather(idx, shared, axis=0, tiled=True)
+    n = table.shape[0]
+    start = jax.lax.axis_index(vocab_axes) * n
+    offset = idx - start
+    mine = (offset >= 0) & (offset < n)
+    rows = jnp.take(table, jnp.where(mine, offset, 0), axis=0)
+    rows = jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype))
+    if only_vocab:
+      rows = jax.lax.psum(rows, only_vocab)
+    if shared:
+      rows = jax.lax.psum_scatter(rows, shared, scatter_dimension=0, tiled=True)
+    return rows
+
+  bspec = batch_axes if batch_axes else None
+  return jax.shard_map(
+      local, mesh=mesh,
+      in_specs=(P(vocab_axes, None), P(bspec, None)),
+      out_specs=P(bspec, None, None),
+      check_vma=False)(table_VD, idx_BT)
+
+
+def _path_keys(path) -> tuple:
+  out = []
+  for k in path:
+    if isinstance(k, jax.tree_util.DictKey):
+      out.append(k.key)
+    elif isinstance(k, jax.tree_util.SequenceKey):
+      out.append(k.idx)
+  return tuple(out)
+
+
+def like_params(tree, param_specs, param_shapes):
+  """PartitionSpecs for a tree holding copies of the parameters (optimizer state).
+
+  A leaf whose path ends in a parameter's path takes that parameter's spec on
+  every dimension of equal size (Muon's per-row statistics keep the split of
+  the dimension they share); anything else (step counters) is replicated.
+  """
+  specs = {_path_keys(p): s for p, s in
+           jax.tree_util.tree_leaves_with_path(param_specs, is_leaf=lambda x: isinstance(x, P))}
+  shapes = {_path_keys(p): s for p, s in jax.tree_util.tree_leaves_with_path(param_shapes)}
+
+  def f(path, leaf):
+    keys = _path_keys(path)
+    for start in range(len(keys)):
+      if keys[start:] in specs:
+        spec, shape = specs[keys[start:]], shapes[keys[start:]].shape
+        if len(shape) != len(leaf.shape):
+          return P()
+        entries = list(spec) + [None] * (len(shape) - len(spec))
+        return P(*[e if a == b else None for e, a, b in zip(entries, leaf.shape, shape)])
+    return P()
+
+  return jax.tree_util.tree_map_with_path(f, tree)
+
+
+def bytes_per_device(tree, specs, mesh_sizes: dict) -> int:
+  """Bytes one device holds of a (possibly abstract) tree under the given specs."""
+  total = 0
+  leaves = jax.tree_util.tree_leaves(tree)
+  spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
+  for x, spec in zip(leaves, spec_leaves):
+    n = int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+    for entry in spec:
+      axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+      n //= math.prod(mesh_sizes[a] for a in axes)
+    total += n
+  return total
+
+
+def param_specs_of(shardings):
+  return jax.tree.map(lambda s: s.spec, shardings,
+                      is_leaf=lambda x: isinstance(x, NamedSharding))

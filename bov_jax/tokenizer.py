@@ -55,9 +55,10 @@ class BPETokenizer:
     return out
 
   def save(self, path: str) -> None:
-    tmp = path + ".tmp"
-    self.tok.save(tmp)
-    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    from etils import epath  # local paths and gs:// alike
+    tmp = epath.Path(path + ".tmp")
+    tmp.write_text(self.tok.to_str())
+    tmp.replace(path)  # atomic on local disks: a reader never sees half a file
 
 
 def train(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
@@ -83,13 +84,15 @@ def train(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
 
 
 def load(path: str) -> BPETokenizer:
-  return BPETokenizer(Tokenizer.from_file(path))
+  from etils import epath
+  return BPETokenizer(Tokenizer.from_str(epath.Path(path).read_text()))
 
 
 def load_or_train(workdir: str | None, texts_fn, vocab_size: int) -> BPETokenizer:
   """The workdir's tokenizer if there is one (checked against vocab_size), else a new one."""
+  from etils import epath
   path = os.path.join(workdir, FILENAME) if workdir else None
-  if path and os.path.exists(path):
+  if path and epath.Path(path).exists():
     tok = load(path)
     if tok.vocab_size != vocab_size:
       raise ValueError(f"{path} has {tok.vocab_size} tokens but model.vocab_size={vocab_size}; "
@@ -97,6 +100,6 @@ def load_or_train(workdir: str | None, texts_fn, vocab_size: int) -> BPETokenize
     return tok
   tok = train(texts_fn(), vocab_size)
   if path:
-    os.makedirs(workdir, exist_ok=True)
+    epath.Path(workdir).mkdir(parents=True, exist_ok=True)
     tok.save(path)
   return tok

@@ -83,6 +83,24 @@ def bits_per_byte(nats: float, n_bytes: float) -> float:
   return float(nats) / (LN2 * float(n_bytes))
 
 
+def micro_batch_rows(cfg, n_dev: int) -> int:
+  """Rows per device per micro-batch: train.device_batch_size, or fewer when one
+  step's batch is smaller than that many rows on every device."""
+  T = cfg.model.sequence_len
+  rows_total = cfg.train.batch_tokens // T
+  if cfg.train.batch_tokens % T or rows_total % n_dev:
+    raise config_lib.ConfigError(
+        f"train.batch_tokens={cfg.train.batch_tokens} must be a multiple of "
+        f"model.sequence_len x devices = {T} x {n_dev} = {T * n_dev}")
+  per_device = min(cfg.train.device_batch_size, rows_total // n_dev)
+  if (rows_total // n_dev) % per_device:
+    raise config_lib.ConfigError(
+        f"train.batch_tokens={cfg.train.batch_tokens} must be a multiple of "
+        f"train.device_batch_size x devices x model.sequence_len = "
+        f"{per_device} x {n_dev} x {T} = {per_device * n_dev * T}")
+  return per_device
+
+
 # -- setup -----------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -122,13 +140,8 @@ def setup(cfg, workdir: str | None) -> Run:
   mesh = sharding.make_mesh(cfg)
   T = cfg.model.sequence_len
   n_dev, n_local = jax.device_count(), jax.local_device_count()
-  tokens_per_micro = cfg.train.device_batch_size * n_dev * T
-  if cfg.train.batch_tokens % tokens_per_micro:
-    raise config_lib.ConfigError(
-        f"train.batch_tokens={cfg.train.batch_tokens} must be a multiple of "
-        f"train.device_batch_size x devices x model.sequence_len = "
-        f"{cfg.train.device_batch_size} x {n_dev} x {T} = {tokens_per_micro}")
-  accum = cfg.train.batch_tokens // tokens_per_micro
+  per_device = micro_batch_rows(cfg, n_dev)
+  accum = cfg.train.batch_tokens // (per_device * n_dev * T)
   docs = data_lib.documents(cfg.data.corpus)
   pi, pc = jax.process_index(), jax.process_count()
   train_all = data_lib.split(docs, cfg.data.val_every, "train")
@@ -147,10 +160,10 @@ def setup(cfg, workdir: str | None) -> Run:
   abstract = nnx.state(nnx.eval_shape(lambda: model_lib.build(cfg)))
   specs = sharding.param_specs(abstract, mesh)
   shardings = sharding.named(mesh, specs)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_lib.build(cfg)))
   with jax.set_mesh(mesh):
-    model = model_lib.init_model(cfg, jax.random.key(cfg.train.seed))
-  graphdef, state = nnx.split(model)
-  params = jax.device_put(nnx.to_pure_dict(state), shardings)
+    params = jax.jit(lambda k: nnx.to_pure_dict(nnx.state(model_lib.init_model_eager(cfg, k))),
+                     out_shardings=shardings)(jax.random.key(cfg.train.seed))
   counts = plan_lib.param_counts(cfg)
   fpt = 6 * counts["n_matmul"] + plan_lib.attention_flops(cfg)
   ref = config_lib.depth_config(12)
@@ -161,7 +174,7 @@ def setup(cfg, workdir: str | None) -> Run:
              param_shardings=shardings, tok=tok, token_bytes=tok.token_bytes(),
              train_docs=data_lib.shard(train_all, pi, pc),
              val_docs=data_lib.shard(val_all, pi, pc), accum=accum,
-             rows=cfg.train.device_batch_size * n_local,
+             rows=per_device * n_local,
              num_iterations=plan_lib.num_iterations(cfg, fpt), flops_per_token=fpt, hp=hp)
 
 
@@ -221,33 +234,51 @@ def _fmt_time(s: float) -> str:
 class Metrics:
   """WORKDIR/metrics.jsonl: one JSON object per logged step (process 0 only).
 
-  On resume, lines past the resumed step are dropped so the file reads as one run.
+  The file is rewritten whole (temp file, then rename) at each log line: no
+  append is needed, so it works on gs:// too, and a crash never leaves half a
+  line. On resume, lines past the resumed step are dropped so the file reads
+  as one run.
   """
 
   def __init__(self, workdir, resume_step: int):
-    self.path = os.path.join(workdir, "metrics.jsonl") if workdir and _is_main() else None
-    if self.path and os.path.exists(self.path):
-      with open(self.path) as f:
-        keep = [l for l in f if l.strip() and json.loads(l).get("step", 0) <= resume_step]
-      with open(self.path + ".tmp", "w") as f:
-        f.writelines(keep)
-      os.replace(self.path + ".tmp", self.path)
+    from etils import epath
+    self.path = epath.Path(workdir) / "metrics.jsonl" if workdir and _is_main() else None
+    self.records = []
+    if self.path and self.path.exists():
+      for line in self.path.read_text().splitlines():
+        if line.strip() and json.loads(line).get("step", 0) <= resume_step:
+          self.records.append(json.loads(line))
 
   def write(self, record: dict):
     if self.path:
-      with open(self.path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+      self.records.append(record)
+      tmp = self.path.parent / (self.path.name + ".tmp")
+      tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+      tmp.replace(self.path)
 
 
 def train(cfg, workdir: str | None) -> dict:
   """Trains per the config; resumes from WORKDIR's latest checkpoint. Returns the last record."""
-  t_start = time.time()
   run = setup(cfg, workdir)
+  with jax.set_mesh(run.mesh):
+    return _train(run)
+
+
+def opt_shardings(run: Run, tx):
+  abstract = jax.eval_shape(tx.init, run.params)
+  specs = sharding.like_params(abstract, sharding.param_specs_of(run.param_shardings),
+                               run.params)
+  return sharding.named(run.mesh, specs)
+
+
+def _train(run: Run) -> dict:
+  cfg, workdir = run.cfg, run.workdir
+  t_start = time.time()
   if workdir and _is_main():
     ckpt_lib.write_config(workdir, cfg)
   tx = optim.make(cfg, run.num_iterations, run.hp)
-  with jax.set_mesh(run.mesh):
-    opt_state = jax.jit(tx.init)(run.params)
+  o_sh = opt_shardings(run, tx)
+  opt_state = jax.jit(tx.init, out_shardings=o_sh)(run.params)
   params = run.params
   T = cfg.model.sequence_len
   it = data_lib.train_batches(run.train_docs, run.tok, T + 1, run.rows, seed=cfg.train.seed)
@@ -262,7 +293,11 @@ def train(cfg, workdir: str | None) -> dict:
       log(f"resumed from {ckpt_lib.checkpoint_dir(workdir)}/{step}")
   metrics = Metrics(workdir, step)
   evaluator = Evaluator(run)
-  step_fn = jax.jit(make_train_step(run.graphdef, tx), donate_argnums=(0, 1))
+  batch_sh = sharding.batch_sharding(run.mesh, leading_dims=2)
+  step_fn = jax.jit(make_train_step(run.graphdef, tx),
+                    in_shardings=(run.param_shardings, o_sh, batch_sh, batch_sh),
+                    out_shardings=(run.param_shardings, o_sh, None),
+                    donate_argnums=(0, 1))
   N = run.num_iterations
   tokens_per_step = cfg.train.batch_tokens
   peak = plan_lib.peak_flops() * jax.device_count()
@@ -319,7 +354,7 @@ def train(cfg, workdir: str | None) -> dict:
       sys.exit(143)
   if ckpts is not None:
     ckpts.close()
-  if cfg.train.sample_tokens > 0 and _is_main():
+  if cfg.train.sample_tokens > 0:  # every process runs the jitted steps; process 0 prints
     prompt = run.tok.encode("def ")
     ids = inference.generate_uncached(run.graphdef, params, prompt, cfg.train.sample_tokens,
                                       cfg.model.sequence_len, temperature=0.0)
@@ -339,6 +374,11 @@ def evaluate_checkpoint(cfg, workdir: str) -> dict:
   if not workdir:
     raise TrainError("--mode=eval needs --workdir=DIR holding a checkpoint")
   run = setup(cfg, workdir)
+  with jax.set_mesh(run.mesh):
+    return _evaluate_checkpoint(run, workdir)
+
+
+def _evaluate_checkpoint(run: Run, workdir: str) -> dict:
   mgr = ckpt_lib.manager(workdir, async_save=False)
   steps = sorted(mgr.all_steps())
   if not steps:

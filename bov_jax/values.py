@@ -271,10 +271,5 @@ def combine(lv: LayerValue, v, v_tilde, coeffs: dict, gate_input=None, gate_w=No
   raise AssertionError(lv.combine)
 
 
-def lookup(table_VD, idx_BT):
-  """E[idx]: the plain gather. (Sharded lookups live in sharding.py.)"""
-  return jnp.take(table_VD, idx_BT, axis=0)
-
-
 def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
   return int(math.ceil(vocab_size / multiple) * multiple)

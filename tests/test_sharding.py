@@ -1,0 +1,210 @@
+"""Meshes, sharding rules, the vocab-split table lookup, and sharded == unsharded training."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from bov_jax import model as model_lib
+from bov_jax import plan
+from bov_jax import sharding
+from bov_jax import train
+from tests.helpers import small_config
+
+MESHES = [(2, 2, 2), (1, 8, 1), (1, 1, 8), (8, 1, 1), (2, 4, 1), (1, 2, 4)]
+
+
+def _mesh(data, fsdp, tensor):
+  c = small_config()
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = data, fsdp, tensor
+  return sharding.make_mesh(c)
+
+
+def test_mesh_shape_rules():
+  c = small_config()
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = -1, 2, 2
+  assert sharding.mesh_shape(c, 8) == (2, 2, 2)
+  c.mesh.fsdp = 3
+  with pytest.raises(ValueError, match="not divisible"):
+    sharding.mesh_shape(c, 8)
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 1
+  with pytest.raises(ValueError, match="4 devices, but 8 are available"):
+    sharding.mesh_shape(c, 8)
+
+
+@pytest.mark.parametrize("shape", MESHES)
+@pytest.mark.parametrize("impl", ["shard_map", "gather", "one_hot"])
+def test_table_lookup_matches_plain_gather(shape, impl):
+  mesh = _mesh(*shape)
+  V, D, B, T = 128, 16, 8, 12
+  table = jax.random.normal(jax.random.key(0), (V, D))
+  idx = jax.random.randint(jax.random.key(1), (B, T), 0, V)
+  cot = jax.random.normal(jax.random.key(2), (B, T, D))
+  want = jnp.take(table, idx, axis=0)
+  want_grad = jnp.zeros_like(table).at[idx].add(cot)
+  spec = sharding.logical_to_spec(("table_vocab", "kv_heads"), (V, D), mesh)
+  with jax.set_mesh(mesh):
+    t = jax.device_put(table, NamedSharding(mesh, spec))
+    i = jax.device_put(idx, sharding.batch_sharding(mesh))
+
+    @jax.jit
+    def f(t, i):
+      rows, vjp = jax.vjp(lambda t: sharding.table_lookup(t, i, impl), t)
+      return rows, vjp(cot)[0]
+
+    rows, grad = f(t, i)
+  np.testing.assert_allclose(np.asarray(rows), np.asarray(want), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), atol=1e-5)
+
+
+def _params_on(mesh, cfg, seed=0):
+  abstract = nnx.state(nnx.eval_shape(lambda: model_lib.build(cfg)))
+  shardings = sharding.named(mesh, sharding.param_specs(abstract, mesh))
+  with jax.set_mesh(mesh):
+    params = jax.jit(lambda k: nnx.to_pure_dict(nnx.state(model_lib.init_model_eager(cfg, k))),
+                     out_shardings=shardings)(jax.random.key(seed))
+  return params, shardings
+
+
+def _perturb(params):
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(9), len(leaves))
+  return jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in
+                                   zip(leaves, keys)])
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 8, 1), (1, 2, 4)])
+def test_sharded_step_equals_unsharded(shape):
+  """Loss and gradients (through the accumulation scan, tables included) match one device."""
+  cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=120)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_lib.build(cfg)))
+  tx = optax.sgd(1.0)  # new params = params - grads: compares the gradients exactly
+  step = train.make_train_step(graphdef, tx)
+  idx = jax.random.randint(jax.random.key(3), (2, 8, 17), 0, 120)  # 2 micro-batches of 8 rows
+  x, y = idx[..., :-1], idx[..., 1:]
+  one = _mesh(8, 1, 1)  # reference: everything on one device
+  p1, _ = _params_on(one, cfg)
+  p1 = jax.device_put(_perturb(p1), jax.devices()[0])
+  ref_params, _, ref_out = jax.jit(step)(p1, tx.init(p1), jax.device_put(x, jax.devices()[0]),
+                                         jax.device_put(y, jax.devices()[0]))
+  mesh = _mesh(*shape)
+  p8, shardings = _params_on(mesh, cfg)
+  p8 = jax.device_put(_perturb(p8), shardings)
+  bsh = sharding.batch_sharding(mesh, leading_dims=2)
+  with jax.set_mesh(mesh):
+    new_params, _, out = jax.jit(step, in_shardings=(shardings, None, bsh, bsh),
+                                 out_shardings=(shardings, None, None))(
+        p8, tx.init(p8), jax.device_put(x, bsh), jax.device_put(y, bsh))
+  assert float(out["train_loss"]) == pytest.approx(float(ref_out["train_loss"]), rel=1e-5)
+  flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref_params))
+  for path, v in jax.tree_util.tree_leaves_with_path(new_params):
+    want = np.asarray(flat_ref[path])
+    np.testing.assert_allclose(np.asarray(v), want, rtol=1e-4, atol=2e-6,
+                               err_msg=jax.tree_util.keystr(path))
+  g = np.asarray(p8["tables"]["layer_5"]) - np.asarray(new_params["tables"]["layer_5"])
+  assert np.abs(g).max() > 0  # the table gradient was part of the comparison
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 8, 1), (1, 1, 8)])
+def test_each_table_shard_is_one_nth(shape):
+  mesh = _mesh(*shape)
+  cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=500)  # padded 512
+  params, _ = _params_on(mesh, cfg)
+  n = shape[1] * shape[2]  # the vocab axis splits over fsdp x tensor
+  for name, table in params["tables"].items():
+    assert table.shape == (512, 32)
+    shards = table.addressable_shards
+    assert len(shards) == 8
+    assert all(s.data.shape == (512 // n, 32) for s in shards), name
+
+
+def _all_gather_shapes(hlo: str) -> list[tuple[int, ...]]:
+  shapes = []
+  for line in hlo.splitlines():
+    m = re.search(r"=\s*(.*?)\s+all-gather(?:-start)?\(", line)
+    if m:
+      for dims in re.findall(r"\w+\[([\d,]+)\]", m.group(1)):
+        shapes.append(tuple(int(d) for d in dims.split(",")))
+  return shapes
+
+
+def _table_like(shape):
+  """[rows, 16] with at least half the vocabulary: a (near-)whole value table."""
+  return len(shape) == 2 and shape[1] == 16 and shape[0] >= 1024
+
+
+def _compiled_step_hlo(shape, impl):
+  cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=2048, n_embd=64, n_head=4,
+                     n_kv_head=1, table_lookup=impl)
+  mesh = _mesh(*shape)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_lib.build(cfg)))
+  params, shardings = _params_on(mesh, cfg)
+  tx = optax.sgd(0.1)
+  bsh = sharding.batch_sharding(mesh, leading_dims=2)
+  x = jax.device_put(jnp.zeros((1, 8, 16), jnp.int32), bsh)
+  with jax.set_mesh(mesh):
+    f = jax.jit(train.make_train_step(graphdef, tx), in_shardings=(shardings, None, bsh, bsh),
+                out_shardings=(shardings, None, None))
+    return f.lower(params, tx.init(params), x, x).compile().as_text()
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 8, 1)])
+def test_step_never_all_gathers_a_value_table(shape):
+  """Tables are [2048, 16] (kv_dim 16); no other parameter has that second dim."""
+  shapes = _all_gather_shapes(_compiled_step_hlo(shape, "shard_map"))
+  assert shapes  # FSDP does gather the block weights
+  assert not any(_table_like(s) for s in shapes), shapes
+  # the check can fail: a one-hot matmul all-gathers the FSDP-split table
+  one_hot = _all_gather_shapes(_compiled_step_hlo((1, 8, 1), "one_hot"))
+  assert (2048, 16) in one_hot, one_hot
+
+
+def test_plan_reports_bytes_per_device():
+  from bov_jax import config as config_lib
+  one = config_lib.depth_config(24, "gpt_base_v_from_value_emb_learn")
+  one.mesh.data, one.mesh.fsdp, one.mesh.tensor = 1, 1, 1
+  eight = config_lib.depth_config(24, "gpt_base_v_from_value_emb_learn")
+  eight.mesh.data, eight.mesh.fsdp, eight.mesh.tensor = 1, 8, 1
+  a, b = plan.memory_per_device(one), plan.memory_per_device(eight)
+  n_params = plan.param_counts(one)["params"]
+  assert a["param_bytes_per_device"] == 4 * n_params
+  assert b["param_bytes_per_device"] <= a["param_bytes_per_device"] / 8 * 1.05
+  assert b["optimizer_bytes_per_device"] <= a["optimizer_bytes_per_device"] / 8 * 1.05
+  assert a["optimizer_bytes_per_device"] > a["param_bytes_per_device"]  # moments + Muon buffers
+
+
+def test_mesh_training_matches_one_device_and_reshards_on_resume(tmp_path):
+  """tiny on data=2 x fsdp=2 x tensor=2 (8 simulated devices) == one device at step 6;
+  the same workdir then resumes on data=8 (a different mesh) and reaches step 9."""
+  import json
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  common = ["--config=configs/tiny.py", "--config.model.vocab_size=512",
+            "--config.data.tokenizer_chars=2000000", "--config.train.eval_every=100",
+            "--config.train.eval_tokens=8192", "--config.train.sample_tokens=0",
+            "--config.train.checkpoint_every=3"]
+
+  def main(workdir, devices, *extra):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    out = subprocess.run([sys.executable, "-m", "bov_jax.main", f"--workdir={workdir}",
+                          *common, *extra], capture_output=True, text=True, cwd=root, env=env,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      return out, {r["step"]: r for r in map(json.loads, f) if "train_loss" in r}
+
+  _, one = main(str(tmp_path / "one"), 1, "--config.train.num_iterations=6")
+  wd = str(tmp_path / "mesh")
+  _, eight = main(wd, 8, "--config.train.num_iterations=6", "--config.mesh.data=2",
+                  "--config.mesh.fsdp=2", "--config.mesh.tensor=2")
+  assert eight[6]["train_loss"] == pytest.approx(one[6]["train_loss"], rel=2e-3)
+  out, resumed = main(wd, 8, "--config.train.num_iterations=9", "--config.mesh.data=8",
+                      "--config.mesh.fsdp=1", "--config.mesh.tensor=1")
+  assert "checkpoints/6" in out.stdout
+  assert max(resumed) == 9 and np.isfinite(resumed[9]["train_loss"])

@@ -1,0 +1,145 @@
+"""The train loop end to end: bpb, resume exactness, corrupt checkpoints, NaN stop, eval mode."""
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bov_jax import model as model_lib
+from bov_jax import train
+from tests.helpers import small_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = ["--config=configs/tiny.py", "--config.model.n_embd=64", "--config.model.sequence_len=128",
+        "--config.model.short_window=64", "--config.model.vocab_size=512",
+        "--config.train.device_batch_size=8", "--config.train.batch_tokens=2048",
+        "--config.train.eval_tokens=4096", "--config.data.tokenizer_chars=2000000",
+        "--config.train.sample_tokens=8", "--config.train.log_every=1"]
+
+
+def _env():
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+  env["PYTHONUNBUFFERED"] = "1"
+  return env
+
+
+def _main(workdir, *extra, timeout=600):
+  return subprocess.run([sys.executable, "-m", "bov_jax.main", f"--workdir={workdir}", *FAST,
+                         *extra], capture_output=True, text=True, cwd=ROOT, env=_env(),
+                        timeout=timeout)
+
+
+def _metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(l) for l in f if l.strip()]
+
+
+def test_bits_per_byte_by_hand():
+  cfg = small_config("gpt_base_v_from_value_emb_learn")
+  m = model_lib.init_model(cfg, jax.random.key(0))
+  graphdef, state = nnx.split(m)
+  params = nnx.to_pure_dict(state)
+  idx = np.random.default_rng(0).integers(0, 100, (2, 9)).astype(np.int32)
+  x, y = idx[:, :-1], idx[:, 1:].copy()
+  y[1, 3] = -1
+  token_bytes = np.random.default_rng(1).integers(0, 4, 100).astype(np.int32)  # some zero
+  nats, nbytes = train.make_eval_step(graphdef)(params, x, y, jnp.asarray(token_bytes))
+  logits = np.asarray(m(jnp.asarray(x)), np.float64)
+  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  want_nats = want_bytes = 0.0
+  for b in range(2):
+    for t in range(8):
+      if y[b, t] >= 0 and token_bytes[y[b, t]] > 0:
+        want_nats -= logp[b, t, y[b, t]]
+        want_bytes += token_bytes[y[b, t]]
+  assert float(nbytes) == want_bytes
+  assert float(nats) == pytest.approx(want_nats, rel=1e-5)
+  assert train.bits_per_byte(nats, nbytes) == pytest.approx(want_nats / (math.log(2) * want_bytes),
+                                                            rel=1e-5)
+
+
+def test_resume_after_sigkill_is_exact(tmp_path):
+  full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
+  args = ["--config.train.num_iterations=40", "--config.train.checkpoint_every=10",
+          "--config.train.eval_every=20"]
+  out = _main(full, *args)
+  assert out.returncode == 0, out.stderr[-3000:]
+  # the same command, killed with SIGKILL after step 25, then run again
+  proc = subprocess.Popen([sys.executable, "-m", "bov_jax.main", f"--workdir={killed}", *FAST,
+                           *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          cwd=ROOT, env=_env())
+  for line in proc.stdout:
+    if line.startswith("step 26/"):
+      proc.send_signal(signal.SIGKILL)
+      break
+  proc.wait(timeout=60)
+  assert proc.returncode == -signal.SIGKILL
+  out = _main(killed, *args)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "resumed from" in out.stdout and "checkpoints/20" in out.stdout
+  a, b = _metrics(full), _metrics(killed)
+  last_a = [r for r in a if r["step"] == 40][0]
+  last_b = [r for r in b if r["step"] == 40][0]
+  assert last_b["train_loss"] == pytest.approx(last_a["train_loss"], rel=1e-5)
+  assert last_b["val_bpb"] == pytest.approx(last_a["val_bpb"], rel=1e-5)
+  assert [r["step"] for r in b] == [r["step"] for r in a]  # one run's worth of lines
+  # and it learns: validation bpb falls
+  assert last_a["val_bpb"] < 0.85 * a[0]["val_bpb"]
+  for key in ("step", "train_loss", "lr", "tokens"):
+    assert key in a[5]
+  assert "sample: " in out.stdout
+  # --mode=eval reads the latest checkpoint and prints a JSON last line
+  ev = _main(full, "--mode=eval")
+  assert ev.returncode == 0, ev.stderr[-2000:]
+  res = json.loads(ev.stdout.strip().splitlines()[-1])
+  assert res["step"] == 40 and res["val_bpb"] == pytest.approx(last_a["val_bpb"], rel=1e-4)
+
+
+def test_corrupt_checkpoint_falls_back_to_previous(tmp_path):
+  wd = str(tmp_path / "run")
+  out = _main(wd, "--config.train.num_iterations=20", "--config.train.checkpoint_every=10",
+              "--config.train.eval_every=100", "--config.train.sample_tokens=0")
+  assert out.returncode == 0, out.stderr[-2000:]
+  params = os.path.join(wd, "checkpoints", "20", "params")
+  for name in os.listdir(params):  # scramble every file of step 20's parameters
+    p = os.path.join(params, name)
+    if os.path.isfile(p):
+      with open(p, "wb") as f:
+        f.write(b"garbage")
+    else:
+      shutil.rmtree(p)
+  out = _main(wd, "--config.train.num_iterations=22", "--config.train.checkpoint_every=10",
+              "--config.train.eval_every=100", "--config.train.sample_tokens=0")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "checkpoints/20 is unreadable" in out.stdout
+  assert "resumed from" in out.stdout and "checkpoints/10" in out.stdout
+  assert [r["step"] for r in _metrics(wd)][-1] == 22
+
+
+def test_nan_loss_stops_with_step_and_checkpoint(tmp_path):
+  out = _main(str(tmp_path / "nan"), "--config.train.num_iterations=30",
+              "--config.train.checkpoint_every=1", "--config.optim.embedding_lr=1e30",
+              "--config.optim.unembedding_lr=1e30", "--config.optim.matrix_lr=1e30",
+              "--config.optim.warmup_steps=1", "--config.train.eval_every=100")
+  assert out.returncode == 1
+  assert "train_loss is nan at step" in out.stderr or "train_loss is inf at step" in out.stderr
+  assert "Last good checkpoint:" in out.stderr
+
+
+def test_batch_tokens_must_divide(tmp_path):
+  out = _main(str(tmp_path / "bad"), "--config.train.batch_tokens=1000")
+  assert out.returncode == 2 and "train.batch_tokens=1000 must be a multiple" in out.stderr
+
+
+def test_missing_corpus_is_named(tmp_path):
+  out = _main(str(tmp_path / "bad"), "--config.data.corpus=/no/such/corpus.jsonl")
+  assert out.returncode == 2 and "data.corpus='/no/such/corpus.jsonl'" in out.stderr
