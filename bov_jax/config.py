@@ -74,6 +74,19 @@ def base_config() -> ml_collections.ConfigDict:
   d.tokenizer_chars = 200_000_000  # characters of training text the BPE trainer reads
   d.val_every = 20            # document i is held out iff i % val_every == 0
 
+  c.eval = e = ml_collections.ConfigDict()
+  e.core_bundle = ""          # a DCLM/nanochat eval bundle directory ("" = no CORE)
+  e.core_max_per_task = -1    # items per task (-1 = all)
+  e.core_every = 0            # CORE every N training steps and at the end (0 = never)
+
+  c.sample = sm = ml_collections.ConfigDict()
+  sm.prompt = "def "
+  sm.max_new_tokens = 64
+  sm.temperature = 0.0        # 0 = greedy
+  sm.top_k = 0                # 0 = no top-k filter
+  sm.seed = 0
+  sm.use_cache = True         # False: recompute the full forward pass per token
+
   c.mesh = ms = ml_collections.ConfigDict()
   ms.data = -1
   ms.fsdp = 1

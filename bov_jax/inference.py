@@ -1,16 +1,121 @@
-"""Text generation.
+"""Decoding with a cache that keeps no values for bank layers (SPEC section 7).
 
-`generate_uncached` recomputes the full forward pass for every new token (the
-slow reference path): one jitted function over a fixed [B, T] buffer, so it
-compiles once whatever the prompt length.
+The cache, per sequence of the batch, up to `context` positions:
+  k[i]    keys of every layer i                          [B, S, K, E]
+  v[i]    values, only for layers whose values depend on context: a bank layer
+          (table, replace) stores none and gathers gamma * E_i[ids] when it runs;
+          a V1-replace layer reuses layer 0's values instead of storing them again
+  ids     the token ids, once for the whole model (only when a bank layer exists)
+  prev    the previous token's pre-smear embedding (the smear gate needs it)
+  pos     how many positions each sequence holds
+
+Prefill runs the prompt in one pass; decode adds one token per step inside a
+`lax.fori_loop`, so nothing recompiles per step and nothing returns to the host.
+`generate_uncached` recomputes the whole forward pass per token (the slow
+reference path, `use_cache=false`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from bov_jax import model as model_lib
+from bov_jax import sharding
+from bov_jax import values
+
+
+# -- which layers store what ----------------------------------------------------------
+
+def stores_values(lv: values.LayerValue) -> bool:
+  """A layer keeps values unless they are a function of ids (bank) or of layer 0's."""
+  return not (lv.target and lv.combine == "replace" and lv.source in ("table", "v1"))
+
+
+def bank_layers(model) -> list[int]:
+  return [i for i, lv in enumerate(model.plan)
+          if lv.target and lv.combine == "replace" and lv.source == "table"]
+
+
+def init_cache(model, batch: int, context: int) -> dict:
+  a = model.blocks[0].attn
+  K, E = a.n_kv_head, a.head_dim
+  D = model.wte.shape[1]
+  dt = model.compute_dtype
+  cache = {
+      "k": [jnp.zeros((batch, context, K, E), dt) for _ in model.blocks],
+      "v": {str(i): jnp.zeros((batch, context, K, E), dt)
+            for i, lv in enumerate(model.plan) if stores_values(lv)},
+      "prev": jnp.zeros((batch, D), dt),
+      "pos": jnp.zeros((batch,), jnp.int32),
+  }
+  if bank_layers(model):
+    cache["ids"] = jnp.zeros((batch, context), jnp.int32)
+  return cache
+
+
+def cache_bytes(cache: dict) -> int:
+  return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(cache))
+
+
+def _cached_values(model, i, cache, v1_cache):
+  """Values of every cached position for layer i (bank and V1 layers rebuild them)."""
+  lv, attn = model.plan[i], model.blocks[i].attn
+  if stores_values(lv):
+    return cache["v"][str(i)]
+  coeffs = {n: p[...] for n, p in attn.coeffs.items()}
+  if lv.source == "v1":
+    return values.combine(lv, None, v1_cache, coeffs)
+  B, S = cache["ids"].shape
+  rows = sharding.table_lookup(model.tables[model.table_of[i]][...], cache["ids"],
+                                         model.table_lookup)
+  rows = rows.astype(model.compute_dtype).reshape(B, S, attn.n_kv_head, attn.head_dim)
+  return values.combine(lv, None, rows, coeffs)
+
+
+def _write(buf, new, start):
+  """buf[b, start[b]:start[b]+T] = new[b] for every row b."""
+  return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0))(
+      buf, new, start)
+
+
+def forward_cached(model, idx_BT, cache):
+  """Runs T new tokens per sequence at positions pos..pos+T-1 against the cache.
+
+  Returns (logits [B, T, V] fp32, new cache). With an empty cache this is the
+  prefill; with T = 1 it is one decode step.
+  """
+  B, T = idx_BT.shape
+  start = cache["pos"]
+  pos = start[:, None] + jnp.arange(T)[None, :]
+  prev = jnp.where((start > 0)[:, None], cache["prev"], 0)
+  x, last_pre = model.embed(idx_BT, prev_BD=prev)
+  cache = dict(cache, k=list(cache["k"]), v=dict(cache["v"]))
+  if "ids" in cache:
+    cache["ids"] = _write(cache["ids"], idx_BT.astype(jnp.int32), start)
+  x0n = model_lib.rmsnorm(x)
+  S = cache["k"][0].shape[1]
+  kpos = jnp.broadcast_to(jnp.arange(S), (B, S))
+  v1_new = None
+  for i, block in enumerate(model.blocks):
+    q, k, v = block.attn.qkv(model_lib.rmsnorm(x), pos, model.v_tilde(i, x0n, v1_new, idx_BT))
+    if i == 0:
+      v1_new = v
+    cache["k"][i] = _write(cache["k"][i], k, start)
+    if stores_values(model.plan[i]):
+      cache["v"][str(i)] = _write(cache["v"][str(i)], v, start)
+    v_all = _cached_values(model, i, cache, cache["v"].get("0"))
+    y = model_lib.attend(q, cache["k"][i], v_all, pos, kpos, block.attn.window)
+    x = x + block.attn.output(y)
+    x = x + block.mlp(model_lib.rmsnorm(x))
+  logits = model.logits(model_lib.rmsnorm(x))
+  cache["prev"] = last_pre
+  cache["pos"] = start + T
+  return logits, cache
 
 
 def sample_logits(logits_BV, key, temperature: float, top_k: int):
@@ -24,9 +129,42 @@ def sample_logits(logits_BV, key, temperature: float, top_k: int):
   return jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "context", "max_new_tokens",
+                                             "temperature", "top_k"))
+def generate(graphdef, params, prompts_BP, lengths_B, key, *, context: int,
+             max_new_tokens: int, temperature: float = 0.0, top_k: int = 0):
+  """Batched prompts of different lengths (right-padded) -> [B, max_new_tokens] new ids.
+
+  One prefill pass over the padded prompts, then a fori_loop of decode steps;
+  each sequence continues from its own length.
+  """
+  model = nnx.merge(graphdef, params)
+  B, P = prompts_BP.shape
+  cache = init_cache(model, B, context)
+  logits, cache = forward_cached(model, prompts_BP, cache)
+  # the cache holds the padding too: rewind each sequence to its real length
+  lengths_B = lengths_B.astype(jnp.int32)
+  cache["pos"] = lengths_B
+  pre = model_lib.rmsnorm(model.wte[...].astype(model.compute_dtype)[prompts_BP])
+  cache["prev"] = jnp.take_along_axis(pre, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  last = jnp.take_along_axis(logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  out = jnp.zeros((B, max_new_tokens), jnp.int32)
+
+  def body(t, carry):
+    last, cache, out = carry
+    tok = sample_logits(last, jax.random.fold_in(key, t), temperature, top_k)
+    out = out.at[:, t].set(tok)
+    logits, cache = forward_cached(model, tok[:, None], cache)
+    return logits[:, 0], cache, out
+
+  _, _, out = jax.lax.fori_loop(0, max_new_tokens, body, (last, cache, out))
+  return out
+
+
 def generate_uncached(graphdef, params, prompt_ids, max_new_tokens: int, context: int,
                       temperature: float = 0.0, top_k: int = 0, seed: int = 0) -> list[int]:
-  """Generates up to max_new_tokens after one prompt, recomputing the whole prefix each step."""
+  """One prompt, recomputing the whole prefix each step: one jitted function over a
+  fixed [1, context] buffer, so it compiles once whatever the prompt length."""
   n_prompt = len(prompt_ids)
   total = min(context, n_prompt + max_new_tokens)
   buf = np.zeros((1, context), np.int32)
@@ -41,9 +179,18 @@ def generate_uncached(graphdef, params, prompt_ids, max_new_tokens: int, context
   key = jax.random.key(seed)
   out = []
   buf = jnp.asarray(buf)
-  for pos in range(n_prompt, total):
-    key, sub = jax.random.split(key)
-    tok = next_token(params, buf, pos, sub)
+  for step, pos in enumerate(range(n_prompt, total)):
+    tok = next_token(params, buf, pos, jax.random.fold_in(key, step))
     buf = buf.at[0, pos].set(tok[0])
     out.append(int(tok[0]))
   return out
+
+
+def generate_cached(graphdef, params, prompt_ids, max_new_tokens: int, context: int,
+                    temperature: float = 0.0, top_k: int = 0, seed: int = 0) -> list[int]:
+  """One prompt through the cached path; the same sampling keys as generate_uncached."""
+  n = min(max_new_tokens, context - len(prompt_ids))
+  prompts = jnp.asarray([prompt_ids], jnp.int32)
+  out = generate(graphdef, params, prompts, jnp.asarray([len(prompt_ids)]), jax.random.key(seed),
+                 context=context, max_new_tokens=n, temperature=temperature, top_k=top_k)
+  return [int(t) for t in np.asarray(out)[0]]

@@ -53,7 +53,10 @@ def run(mode: str, cfg, workdir: str | None) -> int:
     if mode == "eval":
       _print_json(train.evaluate_checkpoint(cfg, workdir))
       return 0
-  except (ValueError, FileNotFoundError, train.TrainError) as e:
+    if mode == "sample":
+      _print_json(train.sample_checkpoint(cfg, workdir))
+      return 0
+  except (ValueError, FileNotFoundError, train.TrainError) as e:  # incl. BundleError
     print(f"error: {e}", file=sys.stderr)
     return 1 if isinstance(e, train.TrainError) else 2
   print(f"error: --mode={mode} is not yet available in this version of bov_jax "

@@ -331,6 +331,9 @@ def _train(run: Run) -> dict:
     evaluate = step % cfg.train.eval_every == 0 or step == N
     if evaluate:
       record["val_bpb"] = evaluator(params)
+    every = cfg.eval.core_every
+    if cfg.eval.core_bundle and every > 0 and (step % every == 0 or step == N):
+      record["core"] = run_core(run, params)["core"]
     if step % cfg.train.log_every == 0 or evaluate or step == N:
       dt = time.time() - t_window
       tps = steps_window * tokens_per_step / max(dt, 1e-9)
@@ -359,6 +362,9 @@ def _train(run: Run) -> dict:
     ids = inference.generate_uncached(run.graphdef, params, prompt, cfg.train.sample_tokens,
                                       cfg.model.sequence_len, temperature=0.0)
     log("sample: " + repr(run.tok.decode(prompt[1:] + ids)))
+  if workdir and _is_main():
+    from etils import epath
+    (epath.Path(workdir) / "DONE").write_text(json.dumps(last))  # sweeps skip finished runs
   log(f"done in {_fmt_time(time.time() - t_start)}")
   return last
 
@@ -378,7 +384,8 @@ def evaluate_checkpoint(cfg, workdir: str) -> dict:
     return _evaluate_checkpoint(run, workdir)
 
 
-def _evaluate_checkpoint(run: Run, workdir: str) -> dict:
+def restore_params(run: Run, workdir: str):
+  """(step, params) of WORKDIR's newest readable checkpoint, sharded like run.params."""
   mgr = ckpt_lib.manager(workdir, async_save=False)
   steps = sorted(mgr.all_steps())
   if not steps:
@@ -388,11 +395,48 @@ def _evaluate_checkpoint(run: Run, workdir: str) -> dict:
   for step in reversed(steps):
     try:
       out = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
-      params = out["params"]
-      break
+      return step, out["params"]
     except Exception as e:  # noqa: BLE001 - fall back past an unreadable step, loudly
       log(f"warning: checkpoint {step} is unreadable ({type(e).__name__}); trying the previous one")
+  raise TrainError(f"no readable checkpoint under {ckpt_lib.checkpoint_dir(workdir)}")
+
+
+def _evaluate_checkpoint(run: Run, workdir: str) -> dict:
+  step, params = restore_params(run, workdir)
+  if run.cfg.eval.core_bundle:
+    result = {"step": int(step), **run_core(run, params)}
+    name = "core.json"
   else:
-    raise TrainError(f"no readable checkpoint under {ckpt_lib.checkpoint_dir(workdir)}")
-  val = Evaluator(run)(params)
-  return {"step": int(step), "val_bpb": val}
+    result = {"step": int(step), "val_bpb": Evaluator(run)(params)}
+    name = "eval.json"
+  if _is_main():
+    from etils import epath
+    (epath.Path(workdir) / name).write_text(json.dumps(result))
+  return result
+
+
+def sample_checkpoint(cfg, workdir: str) -> dict:
+  """--mode=sample: text from WORKDIR's latest checkpoint (config.sample settings)."""
+  if not workdir:
+    raise TrainError("--mode=sample needs --workdir=DIR holding a checkpoint")
+  run = setup(cfg, workdir)
+  s = cfg.sample
+  with jax.set_mesh(run.mesh):
+    _, params = restore_params(run, workdir)
+    prompt = run.tok.encode(s.prompt)
+    context = cfg.model.sequence_len
+    if len(prompt) >= context:
+      raise config_lib.ConfigError(f"sample.prompt is {len(prompt)} tokens; the context is "
+                                   f"{context}")
+    gen = inference.generate_cached if s.use_cache else inference.generate_uncached
+    ids = gen(run.graphdef, params, prompt, s.max_new_tokens, context, s.temperature, s.top_k,
+              s.seed)
+  log(run.tok.decode(prompt[1:] + ids))
+  return {"tokens": ids}
+
+
+def run_core(run: Run, params) -> dict:
+  from bov_jax import evaluate
+  cfg = run.cfg
+  return evaluate.core(cfg.eval.core_bundle, run.graphdef, params, run.tok,
+                       cfg.model.sequence_len, cfg.eval.core_max_per_task, log=log)

@@ -102,6 +102,14 @@ def test_resume_after_sigkill_is_exact(tmp_path):
   assert ev.returncode == 0, ev.stderr[-2000:]
   res = json.loads(ev.stdout.strip().splitlines()[-1])
   assert res["step"] == 40 and res["val_bpb"] == pytest.approx(last_a["val_bpb"], rel=1e-4)
+  # --mode=sample: 48 greedy tokens, cached and uncached, from the trained BoV checkpoint
+  toks = []
+  for use_cache in ("true", "false"):
+    sm = _main(full, "--mode=sample", "--config.sample.max_new_tokens=48",
+               f"--config.sample.use_cache={use_cache}")
+    assert sm.returncode == 0, sm.stderr[-2000:]
+    toks.append(json.loads(sm.stdout.strip().splitlines()[-1])["tokens"])
+  assert len(toks[0]) == 48 and toks[0] == toks[1]
 
 
 def test_corrupt_checkpoint_falls_back_to_previous(tmp_path):

@@ -1,0 +1,248 @@
+"""CORE evaluation (SPEC section 6) on a DCLM / nanochat eval bundle.
+
+Bundle layout:
+  DIR/core.yaml               icl_tasks: [{label, dataset_uri, num_fewshot: [k],
+                              icl_task_type, continuation_delimiter?}]
+  DIR/eval_meta_data.csv      columns "Eval Task", "Random baseline" (percent)
+  DIR/eval_data/<dataset_uri> JSONL items:
+      multiple_choice    {query, choices, gold}
+      schema             {context_options, continuation, gold}
+      language_modeling  {context, continuation}
+
+Prompts follow the reference: few-shot examples (drawn per item with a fixed
+seed, never the item itself) joined by blank lines, BOS in front. Multiple
+choice: the shared token prefix is the context; the choice with the lowest
+summed NLL per UTF-8 byte wins. Schema: the shared suffix is the continuation,
+same rule over contexts. LM: correct iff greedy decoding reproduces every
+continuation token. Prompts longer than the context are cut from the left.
+Scoring is one jitted function over [rows, length] buckets, so it compiles
+once per bucket, not per item.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
+SHUFFLE_SEED = 1337
+FEWSHOT_SEED = 1234
+
+
+class BundleError(ValueError):
+  pass
+
+
+@dataclasses.dataclass
+class Task:
+  label: str
+  dataset_uri: str
+  num_fewshot: int
+  task_type: str
+  delimiter: str = " "
+  random_baseline: float = 0.0  # percent
+
+
+# -- the bundle ------------------------------------------------------------------
+
+def load_bundle(bundle: str) -> list[Task]:
+  import yaml
+  yaml_path = os.path.join(bundle, "core.yaml")
+  meta_path = os.path.join(bundle, "eval_meta_data.csv")
+  for p in (yaml_path, meta_path):
+    if not os.path.exists(p):
+      raise BundleError(f"eval.core_bundle={bundle}: missing {os.path.basename(p)}")
+  with open(yaml_path) as f:
+    spec = yaml.safe_load(f) or {}
+  if "icl_tasks" not in spec:
+    raise BundleError(f"{yaml_path}: expected a top-level 'icl_tasks' list")
+  baselines = {}
+  with open(meta_path, newline="") as f:
+    for row in csv.DictReader(f):
+      if "Eval Task" not in row or "Random baseline" not in row:
+        raise BundleError(f"{meta_path}: expected columns 'Eval Task' and 'Random baseline'")
+      baselines[row["Eval Task"]] = float(row["Random baseline"])
+  tasks = []
+  for t in spec["icl_tasks"]:
+    kind = t.get("icl_task_type")
+    if kind not in TASK_TYPES:
+      raise BundleError(f"{yaml_path}: task {t.get('label')!r} has icl_task_type={kind!r}; "
+                        f"expected one of {', '.join(TASK_TYPES)}")
+    shots = t.get("num_fewshot", [0])
+    shots = shots if isinstance(shots, list) else [shots]
+    if t["label"] not in baselines:
+      raise BundleError(f"{meta_path} has no 'Random baseline' for task {t['label']!r}")
+    for k in shots:
+      label = t["label"] if len(shots) == 1 else f"{t['label']}_{k}shot"
+      tasks.append(Task(label=label, dataset_uri=t["dataset_uri"], num_fewshot=int(k),
+                        task_type=kind, delimiter=t.get("continuation_delimiter", " "),
+                        random_baseline=baselines[t["label"]]))
+  return tasks
+
+
+def load_items(bundle: str, task: Task, max_per_task: int = -1) -> list[dict]:
+  path = os.path.join(bundle, "eval_data", task.dataset_uri)
+  if not os.path.exists(path):
+    raise BundleError(f"task {task.label!r}: missing {path}")
+  with open(path) as f:
+    items = [json.loads(line) for line in f if line.strip()]
+  random.Random(SHUFFLE_SEED).shuffle(items)
+  return items[:max_per_task] if max_per_task and max_per_task > 0 else items
+
+
+# -- prompts -----------------------------------------------------------------------
+
+def fewshot_examples(items: list[dict], idx: int, k: int) -> list[dict]:
+  if k <= 0:
+    return []
+  rng = random.Random(FEWSHOT_SEED + idx)
+  others = [i for i in range(len(items)) if i != idx]
+  return [items[i] for i in rng.sample(others, min(k, len(others)))]
+
+
+def render(task: Task, item: dict, shots: list[dict]) -> list[str]:
+  """The prompt texts for one item (one per choice; [without, with] for LM)."""
+  d = task.delimiter
+  if task.task_type == "multiple_choice":
+    head = "".join(f"{e['query']}{d}{e['choices'][e['gold']]}\n\n" for e in shots)
+    return [f"{head}{item['query']}{d}{c}" for c in item["choices"]]
+  if task.task_type == "schema":
+    head = "".join(f"{e['context_options'][e['gold']]}{d}{e['continuation']}\n\n" for e in shots)
+    return [f"{head}{c}{d}{item['continuation']}" for c in item["context_options"]]
+  head = "".join(f"{e['context'].strip()}{d}{e['continuation']}\n\n" for e in shots)
+  without = f"{head}{item['context'].strip()}{d}"
+  return [without.strip(), without + item["continuation"]]
+
+
+def common_length(seqs: list[list[int]], direction: str) -> int:
+  """Length of the shared prefix ('left') or suffix ('right') of token lists."""
+  n = min(len(s) for s in seqs)
+  for i in range(n):
+    j = i if direction == "left" else -(i + 1)
+    if any(s[j] != seqs[0][j] for s in seqs):
+      return i
+  return n
+
+
+@dataclasses.dataclass
+class Scored:
+  tokens: list[list[int]]
+  starts: list[int]   # first continuation token of each row
+  ends: list[int]     # one past the last
+
+
+def spans(task: Task, prompts: list[str], tok) -> Scored:
+  rows = [tok.encode(p) for p in prompts]  # BOS in front
+  if task.task_type == "multiple_choice":
+    start = common_length(rows, "left")
+    return Scored(rows, [start] * len(rows), [len(r) for r in rows])
+  if task.task_type == "schema":
+    suffix = common_length(rows, "right")
+    return Scored(rows, [len(r) - suffix for r in rows], [len(r) for r in rows])
+  without, with_ = rows
+  if with_[:len(without)] != without:
+    # the tokenizer merged across the boundary: score the tokens after the shared prefix
+    start = common_length([without, with_], "left")
+  else:
+    start = len(without)
+  return Scored([with_], [start], [len(with_)])
+
+
+def truncate_left(s: Scored, max_len: int) -> Scored:
+  """Cuts each row to its last max_len tokens, never through the continuation."""
+  tokens, starts, ends = [], [], []
+  for t, a, b in zip(s.tokens, s.starts, s.ends):
+    cut = max(0, len(t) - max_len)
+    if a - cut < 1:
+      raise BundleError(f"a continuation of {b - a} tokens does not fit a {max_len}-token "
+                        "context with at least one token before it")
+    tokens.append(t[cut:])
+    starts.append(a - cut)
+    ends.append(b - cut)
+  return Scored(tokens, starts, ends)
+
+
+# -- scoring -------------------------------------------------------------------------
+
+def _bucket(n: int, max_len: int) -> int:
+  b = 64
+  while b < n:
+    b *= 2
+  return min(b, max_len)
+
+
+class Scorer:
+  """Per-token NLL and greedy predictions for padded rows, compiled per bucket."""
+
+  def __init__(self, graphdef, params, max_len: int, pad_id: int):
+    self.params, self.max_len, self.pad_id = params, max_len, pad_id
+
+    @jax.jit
+    def score(params, ids):
+      logits = nnx.merge(graphdef, params)(ids)  # [N, L, V] fp32
+      logz = jax.nn.logsumexp(logits, axis=-1)
+      tgt = jnp.roll(ids, -1, axis=1)
+      nll = logz - jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]
+      return nll, jnp.argmax(logits, axis=-1)  # position i predicts token i+1
+
+    self.score = score
+
+  def __call__(self, rows: list[list[int]]):
+    L = _bucket(max(len(r) for r in rows), self.max_len)
+    n = len(rows)
+    n_pad = -(-n // 4) * 4  # rows padded to a multiple of 4: few shapes
+    ids = np.full((n_pad, L), self.pad_id, np.int32)
+    for i, r in enumerate(rows):
+      ids[i, :len(r)] = r
+    nll, pred = self.score(self.params, jnp.asarray(ids))
+    return np.asarray(nll)[:n], np.asarray(pred)[:n]
+
+
+def score_item(task: Task, s: Scored, scorer: Scorer, tok, gold) -> bool:
+  nll, pred = scorer(s.tokens)
+  if task.task_type == "language_modeling":
+    a, b = s.starts[0], s.ends[0]
+    return bool(np.all(pred[0, a - 1:b - 1] == np.asarray(s.tokens[0][a:b])))
+  scores = []
+  for i, (t, a, b) in enumerate(zip(s.tokens, s.starts, s.ends)):
+    n_bytes = max(1, len(tok.decode(t[a:b]).encode("utf-8")))
+    scores.append(float(np.sum(nll[i, a - 1:b - 1])) / n_bytes)
+  return int(np.argmin(scores)) == int(gold)
+
+
+def centered(acc: float, random_baseline_pct: float) -> float:
+  r = 0.01 * random_baseline_pct
+  return (acc - r) / (1.0 - r)
+
+
+def evaluate_task(bundle, task: Task, scorer: Scorer, tok, max_len: int,
+                  max_per_task: int = -1) -> float:
+  items = load_items(bundle, task, max_per_task)
+  correct = 0
+  for idx, item in enumerate(items):
+    prompts = render(task, item, fewshot_examples(items, idx, task.num_fewshot))
+    s = truncate_left(spans(task, prompts, tok), max_len)
+    correct += score_item(task, s, scorer, tok, item.get("gold"))
+  return correct / max(1, len(items))
+
+
+def core(bundle: str, graphdef, params, tok, max_len: int, max_per_task: int = -1,
+         log=print) -> dict:
+  """{'core': mean centered accuracy, 'tasks': {label: {accuracy, centered}}}."""
+  tasks = load_bundle(bundle)
+  scorer = Scorer(graphdef, params, max_len, pad_id=tok.bos_id)
+  results = {}
+  for task in tasks:
+    acc = evaluate_task(bundle, task, scorer, tok, max_len, max_per_task)
+    results[task.label] = {"accuracy": acc, "centered": centered(acc, task.random_baseline)}
+    log(f"CORE {task.label}: accuracy {acc:.4f}, centered {results[task.label]['centered']:.4f}")
+  score = float(np.mean([r["centered"] for r in results.values()])) if results else float("nan")
+  return {"core": score, "tasks": results}

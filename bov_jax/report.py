@@ -1,0 +1,177 @@
+"""From finished runs to the paper's tables and figures.
+
+  python -m bov_jax.report RUN_DIR... --out=DIR     plots (PNG) and results.md
+  python -m bov_jax.report RUN_DIR --coeffs         learned coefficients per layer (JSON)
+
+Each RUN_DIR is a workdir: config.json, metrics.jsonl, checkpoints/, and
+core.json when `--mode=eval --config.eval.core_bundle=...` ran on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+from bov_jax import values
+
+
+def load_run(workdir: str) -> dict:
+  from bov_jax import checkpoint
+  from bov_jax import config as config_lib
+  from bov_jax import plan
+  cfg = checkpoint.read_config(workdir)
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{workdir} has no metrics.jsonl (has it trained?)")
+  with open(path) as f:
+    metrics = [json.loads(l) for l in f if l.strip()]
+  core = None
+  if os.path.exists(os.path.join(workdir, "core.json")):
+    with open(os.path.join(workdir, "core.json")) as f:
+      core = json.load(f)
+  mode = config_lib.value_mode(cfg)
+  return {"dir": workdir, "name": os.path.basename(os.path.normpath(workdir)), "cfg": cfg,
+          "mode": mode, "metrics": metrics, "core": core,
+          "flops_per_token": plan.flops_per_token(cfg),
+          "targets": values.target_layers(mode, cfg.model.n_layer)}
+
+
+def coefficients(workdir: str) -> dict:
+  """{layer: {gamma|alpha|beta: value}} from the run's latest checkpoint."""
+  from bov_jax import checkpoint
+  from bov_jax import model as model_lib
+  cfg = checkpoint.read_config(workdir)
+  model = model_lib.build(cfg)
+  step = checkpoint.restore_model(workdir, model)
+  out = {}
+  for i, block in enumerate(model.blocks):
+    if len(block.attn.coeffs):
+      out[i] = {k: float(v[...]) for k, v in block.attn.coeffs.items()}
+  return {"step": step, "layers": out}
+
+
+def _final_bpb(run):
+  vals = [m["val_bpb"] for m in run["metrics"] if "val_bpb" in m]
+  return vals[-1] if vals else float("nan")
+
+
+def markdown_table(runs) -> str:
+  lines = ["| run | variant | source | combine | layers | coefficient | final val bpb | CORE |",
+           "|---|---|---|---|---|---|---|---|"]
+  for r in runs:
+    m = r["mode"]
+    core = f"{r['core']['core']:.4f}" if r["core"] else ""
+    layers = ",".join(map(str, r["targets"])) or "-"
+    lines.append(f"| {r['name']} | {m.preset or '(custom)'} | {m.source} | {m.combine} | "
+                 f"{layers} | {m.coeff} | {_final_bpb(r):.4f} | {core} |")
+  return "\n".join(lines) + "\n"
+
+
+def cache_saved_bytes(n_bank: int, kv_dim: int, vocab: int, contexts, bytes_per_element=2):
+  """Paper Eq. 6 per sequence: bank layers keep no values; their tables cost |V| rows."""
+  return [n_bank * kv_dim * (t - vocab) * bytes_per_element for t in contexts]
+
+
+def plots(runs, out: str) -> list[str]:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  written = []
+  # Figure 4: validation bpb against tokens and against FLOPs
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  for r in runs:
+    pts = [(m.get("tokens", 0), m["val_bpb"]) for m in r["metrics"] if "val_bpb" in m]
+    if not pts:
+      continue
+    tok, bpb = zip(*pts)
+    axes[0].plot(tok, bpb, marker="o", ms=3, label=r["name"])
+    axes[1].plot(np.array(tok) * r["flops_per_token"], bpb, marker="o", ms=3, label=r["name"])
+  axes[0].set_xlabel("tokens")
+  axes[1].set_xlabel("FLOPs")
+  for a in axes:
+    a.set_ylabel("validation bpb")
+    a.grid(alpha=0.3)
+  axes[1].legend(fontsize=7)
+  fig.tight_layout()
+  written.append(os.path.join(out, "val_bpb.png"))
+  fig.savefig(written[-1], dpi=120)
+  plt.close(fig)
+  # Figure 2: learned coefficients per layer
+  coeff_runs = [(r, coefficients(r["dir"])) for r in runs if r["mode"].coeff == "learned"
+                and r["mode"].combine != "gated_add"]
+  if coeff_runs:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r, c in coeff_runs:
+      for name in ("gamma", "alpha", "beta"):
+        layers = [l for l in c["layers"] if name in c["layers"][l]]
+        if layers:
+          ax.plot(layers, [c["layers"][l][name] for l in layers], marker="o",
+                  label=f"{r['name']}: {name}")
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("coefficient")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    written.append(os.path.join(out, "coefficients.png"))
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+  # Figure 5a: value-cache memory saved per sequence against context length
+  fig, ax = plt.subplots(figsize=(6, 4))
+  contexts = np.logspace(np.log10(256), np.log10(262144), 40)
+  seen = set()
+  for r in runs:
+    if r["mode"].source != "table":
+      continue
+    m = r["cfg"].model
+    key = (len(r["targets"]), m.n_kv_head * (m.n_embd // m.n_head), m.vocab_size)
+    if key in seen:
+      continue
+    seen.add(key)
+    saved = np.array(cache_saved_bytes(*key, contexts)) / 2 ** 20
+    ax.plot(contexts, saved, label=f"{key[0]} bank layers, kv {key[1]}, |V|={key[2]}")
+  ax.axhline(0, color="k", lw=0.5)
+  ax.set_xscale("log")
+  ax.set_xlabel("context length (tokens)")
+  ax.set_ylabel("value cache saved per sequence (MiB, bf16)")
+  if seen:
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  written.append(os.path.join(out, "cache_memory.png"))
+  fig.savefig(written[-1], dpi=120)
+  plt.close(fig)
+  return written
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m bov_jax.report")
+  ap.add_argument("runs", nargs="+", help="run directories (workdirs)")
+  ap.add_argument("--out", default=None, help="where to write PNGs and results.md")
+  ap.add_argument("--coeffs", action="store_true", help="print learned coefficients as JSON")
+  a = ap.parse_args(argv)
+  try:
+    if a.coeffs:
+      for d in a.runs:
+        print(json.dumps({"run": d, **coefficients(d)}))
+      return 0
+    if not a.out:
+      ap.error("--out=DIR is required (or --coeffs)")
+    runs = [load_run(d) for d in a.runs]
+  except (FileNotFoundError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  os.makedirs(a.out, exist_ok=True)
+  written = plots(runs, a.out)
+  md = os.path.join(a.out, "results.md")
+  with open(md, "w") as f:
+    f.write(markdown_table(runs))
+  written.append(md)
+  print(json.dumps({"written": written}))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,132 @@
+"""Experiment grids: one sweep file, one `python -m bov_jax.main` command per point.
+
+A sweep file (configs/sweeps/NAME.py) defines `get_sweep()` returning
+
+  {"base": "configs/bov_135m.py",           # the config every point starts from
+   "points": [{"name": "bov", "overrides": {"model.value.preset": "..."}}, ...]}
+
+`product(...)` builds points from axes when a grid reads better as one. Every
+point keeps the base's FLOP budget (train.target_flops): each variant trains for
+as many steps as its own FLOPs per token allow, as in the paper.
+
+  python -m bov_jax.sweep --sweep=FILE --print [--workdir_root=DIR] [--config.k=v ...]
+  python -m bov_jax.sweep --sweep=FILE --local [--workdir_root=DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+BUDGET_KEYS = ("train.target_flops", "train.num_iterations")
+
+
+class SweepError(ValueError):
+  pass
+
+
+def point(name: str, **overrides) -> dict:
+  """A named point; keyword `model__value__preset` stands for `model.value.preset`."""
+  return {"name": name, "overrides": {k.replace("__", "."): v for k, v in overrides.items()}}
+
+
+def product(*axes) -> list[dict]:
+  """Points from axes, each a list of (name, overrides) pairs: their Cartesian product."""
+  out = []
+  for combo in itertools.product(*axes):
+    name = "-".join(n for n, _ in combo)
+    overrides = {}
+    for _, o in combo:
+      overrides.update(o)
+    out.append({"name": name, "overrides": overrides})
+  return out
+
+
+def load(path: str) -> dict:
+  if not os.path.exists(path):
+    raise SweepError(f"--sweep={path}: no such file")
+  spec = importlib.util.spec_from_file_location("bov_sweep", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_sweep"):
+    raise SweepError(f"--sweep={path} defines no get_sweep()")
+  sweep = module.get_sweep()
+  if "base" not in sweep or not sweep.get("points"):
+    raise SweepError(f"--sweep={path}: get_sweep() must return {{'base': FILE, 'points': [...]}}")
+  names = [p["name"] for p in sweep["points"]]
+  if len(set(names)) != len(names):
+    raise SweepError(f"--sweep={path}: point names repeat: {names}")
+  for p in sweep["points"]:
+    fixed = [k for k in p["overrides"] if k in BUDGET_KEYS]
+    if fixed and not sweep.get("allow_budget_overrides"):
+      raise SweepError(f"--sweep={path}: point {p['name']!r} overrides {fixed}; every point "
+                       "keeps the base's FLOP budget")
+  return sweep
+
+
+def _flag(key, value) -> str:
+  if isinstance(value, bool):
+    value = str(value).lower()
+  return f"--config.{key}={value}"
+
+
+def commands(sweep: dict, workdir_root: str, extra: list[str]) -> list[tuple[str, list[str]]]:
+  out = []
+  for p in sweep["points"]:
+    argv = ["python", "-m", "bov_jax.main", f"--config={sweep['base']}",
+            f"--workdir={workdir_root.rstrip('/')}/{p['name']}"]
+    argv += [_flag(k, v) for k, v in p["overrides"].items()] + list(extra)
+    out.append((p["name"], argv))
+  return out
+
+
+def finished(workdir: str) -> bool:
+  """A run is finished when its metrics reach the step its own plan asked for."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  done = os.path.join(workdir, "DONE")
+  return os.path.exists(done) and os.path.exists(path)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m bov_jax.sweep", description=__doc__.split("\n")[0])
+  ap.add_argument("--sweep", required=True)
+  ap.add_argument("--workdir_root", default="runs")
+  mode = ap.add_mutually_exclusive_group(required=True)
+  mode.add_argument("--print", action="store_true", help="print one command per point")
+  mode.add_argument("--local", action="store_true", help="run the points here, in turn")
+  args, extra = ap.parse_known_args(argv)
+  bad = [e for e in extra if not e.startswith("--config.")]
+  if bad:
+    ap.error(f"unexpected arguments {bad}: only --config.* overrides pass through")
+  try:
+    sweep = load(args.sweep)
+  except SweepError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  cmds = commands(sweep, args.workdir_root, extra)
+  if args.print:
+    for _, argv in cmds:
+      print(shlex.join(argv))
+    return 0
+  for name, argv in cmds:
+    workdir = argv[4].split("=", 1)[1]
+    if finished(workdir):
+      print(f"[sweep] {name}: finished, skipping", flush=True)
+      continue
+    print(f"[sweep] {name}: {shlex.join(argv)}", flush=True)
+    rc = subprocess.call([sys.executable] + argv[1:])
+    if rc != 0:
+      print(f"[sweep] {name} failed with exit code {rc}", file=sys.stderr)
+      return rc
+  print(json.dumps({"sweep": args.sweep, "points": [n for n, _ in cmds]}))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,16 @@
+"""Figure 5b of the paper: Bank of Values component ablations at d12."""
+
+ROWS = [
+    ("bov", "gpt_base_v_from_value_emb_learn"),
+    ("no_coeff", "gpt_base_v_from_value_emb"),
+    ("shared_table", "gpt_base_v_from_value_emb_learn_shared"),
+    ("every_layer", "gpt_base_v_from_value_emb_learn_every_layer"),
+    ("add_v", "gpt_base_add_init_value_emb_learn"),
+    ("gated_add_v", "gpt_base_add_init_value_emb_nanogpt"),
+]
+
+
+def get_sweep():
+  return {"base": "configs/baseline_135m.py",
+          "points": [{"name": name, "overrides": {"model.value.preset": preset}}
+                     for name, preset in ROWS]}

@@ -1,0 +1,174 @@
+"""CORE evaluation on small bundles written in the real DCLM/nanochat file formats."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from bov_jax import evaluate as ev
+
+
+class CharTok:
+  """A character-level stand-in tokenizer: id = ord(c) + 1, BOS = 0."""
+  bos_id = 0
+
+  def encode(self, text, bos=True):
+    return ([0] if bos else []) + [ord(c) + 1 for c in text]
+
+  def decode(self, ids):
+    return "".join(chr(i - 1) for i in ids if i > 0)
+
+
+MC = ev.Task("mc", "mc.jsonl", 2, "multiple_choice", delimiter=" -> ", random_baseline=25.0)
+SCHEMA = ev.Task("schema", "schema.jsonl", 1, "schema", delimiter=" ", random_baseline=50.0)
+LM = ev.Task("lm", "lm.jsonl", 1, "language_modeling", delimiter=" ", random_baseline=0.0)
+
+
+def write_bundle(root):
+  os.makedirs(os.path.join(root, "eval_data", "sub"), exist_ok=True)
+  (root / "core.yaml").write_text(
+      "icl_tasks:\n"
+      "- label: mc\n  dataset_uri: sub/mc.jsonl\n  num_fewshot: [2]\n"
+      "  icl_task_type: multiple_choice\n  continuation_delimiter: ' -> '\n"
+      "- label: schema\n  dataset_uri: schema.jsonl\n  num_fewshot: [1]\n"
+      "  icl_task_type: schema\n"
+      "- label: lm\n  dataset_uri: lm.jsonl\n  num_fewshot: [0, 1]\n"
+      "  icl_task_type: language_modeling\n")
+  (root / "eval_meta_data.csv").write_text(
+      "Eval Task,Task Category,Random baseline\nmc,x,25.0\nschema,y,50\nlm,z,0\n")
+  mc = [{"query": f"Q{i}: what is {i}+{i}?", "choices": [str(2 * i), str(2 * i + 1), "x", "y"],
+         "gold": 0} for i in range(6)]
+  schema = [{"context_options": [f"The cat {i}", f"The dog {i}"], "continuation": "barked.",
+             "gold": 1} for i in range(5)]
+  lm = [{"context": f"  count {i} ", "continuation": f"{i + 1}"} for i in range(4)]
+  for name, items in (("sub/mc.jsonl", mc), ("schema.jsonl", schema), ("lm.jsonl", lm)):
+    with open(root / "eval_data" / name, "w") as f:
+      f.writelines(json.dumps(x) + "\n" for x in items)
+
+
+def test_bundle_parsing(tmp_path):
+  write_bundle(tmp_path)
+  tasks = ev.load_bundle(str(tmp_path))
+  assert [t.label for t in tasks] == ["mc", "schema", "lm_0shot", "lm_1shot"]
+  assert tasks[0].delimiter == " -> " and tasks[1].delimiter == " "
+  assert tasks[0].random_baseline == 25.0 and tasks[0].num_fewshot == 2
+  items = ev.load_items(str(tmp_path), tasks[0], max_per_task=3)
+  assert len(items) == 3 and items == ev.load_items(str(tmp_path), tasks[0], 3)  # fixed shuffle
+
+
+def test_bundle_errors(tmp_path):
+  with pytest.raises(ev.BundleError, match="missing core.yaml"):
+    ev.load_bundle(str(tmp_path))
+  write_bundle(tmp_path)
+  (tmp_path / "eval_meta_data.csv").write_text("Eval Task,Random baseline\nmc,25\n")
+  with pytest.raises(ev.BundleError, match="no 'Random baseline' for task 'schema'"):
+    ev.load_bundle(str(tmp_path))
+
+
+def test_render_with_fewshot_and_delimiters():
+  items = [{"query": "A?", "choices": ["a1", "a2"], "gold": 1},
+           {"query": "B?", "choices": ["b1", "b2"], "gold": 0},
+           {"query": "C?", "choices": ["c1", "c2"], "gold": 0}]
+  shots = ev.fewshot_examples(items, 2, 2)
+  assert items[2] not in shots and len(shots) == 2
+  assert shots == ev.fewshot_examples(items, 2, 2)  # seeded per item
+  p = ev.render(MC, items[2], [items[0], items[1]])
+  assert p == ["A? -> a2\n\nB? -> b1\n\nC? -> c1", "A? -> a2\n\nB? -> b1\n\nC? -> c2"]
+  s = ev.render(SCHEMA, {"context_options": ["x1", "x2"], "continuation": "end", "gold": 0},
+                [{"context_options": ["e1", "e2"], "continuation": "fin", "gold": 1}])
+  assert s == ["e2 fin\n\nx1 end", "e2 fin\n\nx2 end"]
+  lm = ev.render(LM, {"context": "  hello ", "continuation": "world"},
+                 [{"context": " ex ", "continuation": "ample"}])
+  assert lm == ["ex ample\n\nhello", "ex ample\n\nhello world"]
+
+
+def test_common_prefix_and_suffix_spans():
+  tok = CharTok()
+  mc = ev.spans(MC, ["Q -> yes", "Q -> no"], tok)
+  assert mc.starts == [5, 5] and mc.ends == [9, 8]  # BOS + "Q -> " shared, then the choice
+  sc = ev.spans(SCHEMA, ["cat end", "a dog end"], tok)
+  assert sc.ends == [8, 10] and sc.starts == [3, 5]  # shared suffix " end" (wait: "t end"?)
+  lm = ev.spans(LM, ["ctx", "ctx more"], tok)
+  assert lm.tokens == [tok.encode("ctx more")] and lm.starts == [4] and lm.ends == [9]
+
+
+def test_byte_normalised_choice():
+  tok = CharTok()
+
+  class FakeScorer:
+    def __init__(self, nll):
+      self.nll = nll
+
+    def __call__(self, rows):
+      L = max(map(len, rows))
+      out = np.zeros((len(rows), L))
+      for i, v in enumerate(self.nll):
+        out[i, :] = v
+      return out, np.zeros((len(rows), L), np.int64)
+
+  s = ev.spans(MC, ["Q -> aaaa", "Q -> b"], tok)
+  # per token nll 1.0 for choice 0 (4 bytes: sum 4 -> 1.0/byte), 1.5 for choice 1 (1 byte)
+  assert ev.score_item(MC, s, FakeScorer([1.0, 1.5]), tok, gold=0)
+  # summed NLL alone would pick choice 1 (1.5 < 4.0); per byte it is 1.0 < 1.5
+  assert not ev.score_item(MC, s, FakeScorer([1.0, 1.5]), tok, gold=1)
+
+
+def test_lm_exact_match():
+  tok = CharTok()
+  s = ev.spans(LM, ["ctx", "ctx ab"], tok)  # continuation " ab" at positions 4..6
+
+  class Pred:
+    def __init__(self, seq):
+      self.seq = seq
+
+    def __call__(self, rows):
+      pred = np.zeros((1, len(rows[0])), np.int64)
+      pred[0, :-1] = self.seq[1:]  # position i predicts token i+1
+      return np.zeros_like(pred, float), pred
+
+  full = tok.encode("ctx ab")
+  assert ev.score_item(LM, s, Pred(full), tok, None)
+  wrong = list(full)
+  wrong[-1] = tok.encode("z", bos=False)[0]
+  assert not ev.score_item(LM, s, Pred(wrong), tok, None)
+  wrong_ctx = list(full)
+  wrong_ctx[1] = 99  # a wrong prediction inside the context does not count
+  assert ev.score_item(LM, s, Pred(wrong_ctx), tok, None)
+
+
+def test_centered_accuracy():
+  assert ev.centered(0.25, 25.0) == pytest.approx(0.0)
+  assert ev.centered(1.0, 25.0) == pytest.approx(1.0)
+  assert ev.centered(0.625, 25.0) == pytest.approx(0.5)
+  assert ev.centered(0.3, 0.0) == pytest.approx(0.3)
+
+
+def test_left_truncation_keeps_the_continuation():
+  s = ev.Scored([list(range(20)), list(range(18))], [15, 15], [20, 18])
+  t = ev.truncate_left(s, 10)
+  assert t.tokens[0] == list(range(10, 20)) and t.starts[0] == 5 and t.ends[0] == 10
+  assert t.tokens[1] == list(range(8, 18)) and t.starts[1] == 7 and t.ends[1] == 10
+  with pytest.raises(ev.BundleError, match="does not fit"):
+    ev.truncate_left(ev.Scored([list(range(20))], [12], [20]), 8)
+
+
+def test_core_end_to_end_with_a_model(tmp_path):
+  import jax
+  from flax import nnx
+  from bov_jax import model as model_lib
+  from tests.helpers import small_config
+  write_bundle(tmp_path)
+  cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=200, sequence_len=64)
+  m = model_lib.init_model(cfg, jax.random.key(0))
+  graphdef, state = nnx.split(m)
+
+  class ClippedTok(CharTok):
+    def encode(self, text, bos=True):
+      return [min(i, 199) for i in super().encode(text, bos)]
+
+  res = ev.core(str(tmp_path), graphdef, nnx.to_pure_dict(state), ClippedTok(), 64,
+                log=lambda *_: None)
+  assert set(res["tasks"]) == {"mc", "schema", "lm_0shot", "lm_1shot"}
+  assert np.isfinite(res["core"])
+  for r in res["tasks"].values():
+    assert 0.0 <= r["accuracy"] <= 1.0

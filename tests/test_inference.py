@@ -1,0 +1,107 @@
+"""Cached decoding: exact against the full forward pass, no value cache for bank layers."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bov_jax import inference
+from bov_jax import model as model_lib
+from bov_jax import values
+from tests.helpers import small_config
+
+
+def _model(preset, **kw):
+  cfg = small_config(preset, **kw)
+  m = model_lib.init_model(cfg, jax.random.key(0))
+  state = nnx.state(m)
+  leaves, tree = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  nnx.update(m, jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape) for x, k in
+                                          zip(leaves, keys)]))
+  return m
+
+
+@pytest.mark.parametrize("preset", sorted(values.PRESETS))
+def test_prefill_and_decode_equal_full_forward(preset):
+  """Every step's logits, past the 8-token sliding window, for every value mode."""
+  m = _model(preset, n_layer=4, sequence_len=48, short_window=8)
+  graphdef, state = nnx.split(m)
+  rng = np.random.default_rng(0)
+  seq = jnp.asarray(rng.integers(0, 100, (2, 30)), jnp.int32)
+  P = 5
+  full = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, seq)
+
+  @jax.jit
+  def prefill(s, x):
+    mm = nnx.merge(graphdef, s)
+    return inference.forward_cached(mm, x, inference.init_cache(mm, 2, 48))
+
+  @jax.jit
+  def step(s, x, cache):
+    return inference.forward_cached(nnx.merge(graphdef, s), x, cache)
+
+  logits, cache = prefill(state, seq[:, :P])
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, :P]), atol=2e-4)
+  for t in range(P, 30):
+    logits, cache = step(state, seq[:, t:t + 1], cache)
+    np.testing.assert_allclose(np.asarray(logits[:, 0]), np.asarray(full[:, t]), atol=2e-4,
+                               err_msg=f"position {t}")
+
+
+def test_bank_layers_keep_no_values():
+  bov = _model("gpt_base_v_from_value_emb_learn")  # 6 layers: banks 4, 5
+  cache = inference.init_cache(bov, 1, 32)
+  assert sorted(cache["v"]) == ["0", "1", "2", "3"] and "ids" in cache
+  assert len(cache["k"]) == 6
+  v1 = inference.init_cache(_model("gpt_base_v_from_v1_learn"), 1, 32)
+  assert sorted(v1["v"]) == ["0", "1", "2", "3"] and "ids" not in v1  # reuses layer 0's
+  base = inference.init_cache(_model("gpt_base"), 1, 32)
+  assert sorted(base["v"]) == [str(i) for i in range(6)] and "ids" not in base
+  add = inference.init_cache(_model("gpt_base_add_init_value_emb_learn"), 1, 32)
+  assert len(add["v"]) == 6 and "ids" not in add  # V + E[id] depends on context
+
+
+@pytest.mark.parametrize("batch, context", [(1, 64), (3, 256)])
+def test_memory_formula(batch, context):
+  base = inference.init_cache(_model("gpt_base"), batch, context)
+  bov_model = _model("gpt_base_v_from_value_emb_learn")
+  bov = inference.init_cache(bov_model, batch, context)
+  n_bank = len(inference.bank_layers(bov_model))
+  kv_dim, bpe = 2 * 16, 4
+  saved = inference.cache_bytes(base) - inference.cache_bytes(bov)
+  ids = batch * context * 4
+  assert n_bank == 2
+  assert saved == n_bank * kv_dim * context * bpe * batch - ids
+
+
+def test_ragged_batch_equals_one_by_one():
+  m = _model("gpt_base_v_from_value_emb_learn", sequence_len=64, short_window=8)
+  graphdef, state = nnx.split(m)
+  params = nnx.to_pure_dict(state)
+  rng = np.random.default_rng(3)
+  a, b = rng.integers(0, 100, 3).tolist(), rng.integers(0, 100, 11).tolist()
+  prompts = np.zeros((2, 11), np.int32)
+  prompts[0, :3], prompts[1] = a, b
+  out = np.asarray(inference.generate(graphdef, params, jnp.asarray(prompts), jnp.asarray([3, 11]),
+                                      jax.random.key(0), context=64, max_new_tokens=20))
+  assert out[0].tolist() == inference.generate_cached(graphdef, params, a, 20, 64)
+  assert out[1].tolist() == inference.generate_cached(graphdef, params, b, 20, 64)
+
+
+@pytest.mark.parametrize("temperature, top_k", [(0.0, 0), (0.8, 5)])
+def test_cached_equals_uncached_generation(temperature, top_k):
+  m = _model("gpt_base_v_from_value_emb_learn", sequence_len=64, short_window=8)
+  graphdef, state = nnx.split(m)
+  params = nnx.to_pure_dict(state)
+  prompt = [5, 17, 3, 99]
+  a = inference.generate_cached(graphdef, params, prompt, 48, 64, temperature, top_k, seed=7)
+  b = inference.generate_uncached(graphdef, params, prompt, 48, 64, temperature, top_k, seed=7)
+  assert a == b and len(a) == 48
+
+
+def test_top_k_sampling_stays_in_top_k():
+  logits = jnp.asarray([[0.0, 5.0, 4.0, -1.0, 3.0]])
+  seen = {int(inference.sample_logits(logits, jax.random.key(i), 1.0, 2)[0]) for i in range(200)}
+  assert seen == {1, 2}
+  assert int(inference.sample_logits(logits, jax.random.key(0), 0.0, 0)[0]) == 1
