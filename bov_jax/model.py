@@ -66,6 +66,13 @@ def attend(q_BTHE, k_BSKE, v_BSKE, qpos_BT, kpos_BS, window):
   return out.reshape(B, T, H * E)
 
 
+class _FrozenDict(dict):
+  """A dict that hashes, for static model attributes."""
+
+  def __hash__(self):
+    return hash(tuple(sorted(self.items())))
+
+
 def _param(shape, logical, dtype):
   return nnx.Param(jnp.zeros(shape, dtype), logical=logical)
 
@@ -144,8 +151,9 @@ class GPT(nnx.Module):
     D = m.n_embd
     K, E = m.n_kv_head, m.n_embd // m.n_head
     pd = jnp.dtype(m.param_dtype)
-    self.plan = values.layer_plan(mode, m.n_layer)
-    self.table_of = values.table_keys(mode, m.n_layer)  # layer -> table name
+    # static (hashable, so the graphdef can key a jit cache)
+    self.plan = tuple(values.layer_plan(mode, m.n_layer))
+    self.table_of = _FrozenDict(values.table_keys(mode, m.n_layer))  # layer -> table name
     self.wte = _param((Vp, D), ("vocab", "embed"), pd)
     self.lm_head = _param((D, Vp), ("embed", "vocab"), pd)
     self.smear_w = _param((SMEAR_CHANNELS,), (None,), pd)

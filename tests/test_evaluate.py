@@ -85,9 +85,9 @@ def test_render_with_fewshot_and_delimiters():
 def test_common_prefix_and_suffix_spans():
   tok = CharTok()
   mc = ev.spans(MC, ["Q -> yes", "Q -> no"], tok)
-  assert mc.starts == [5, 5] and mc.ends == [9, 8]  # BOS + "Q -> " shared, then the choice
+  assert mc.starts == [6, 6] and mc.ends == [9, 8]  # BOS + "Q -> " shared, then the choice
   sc = ev.spans(SCHEMA, ["cat end", "a dog end"], tok)
-  assert sc.ends == [8, 10] and sc.starts == [3, 5]  # shared suffix " end" (wait: "t end"?)
+  assert sc.ends == [8, 10] and sc.starts == [4, 6]  # the shared suffix is " end"
   lm = ev.spans(LM, ["ctx", "ctx more"], tok)
   assert lm.tokens == [tok.encode("ctx more")] and lm.starts == [4] and lm.ends == [9]
 
