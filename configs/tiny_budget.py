@@ -1,0 +1,17 @@
+"""The tiny model under a fixed FLOP budget (for CPU sweeps): each value mode trains for as
+many steps as its own FLOPs per token allow, as in the paper's FLOP-matched tables."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tiny  # noqa: E402
+
+
+def get_config():
+  c = tiny.get_config()
+  c.model.value.preset = "gpt_base"
+  c.train.num_iterations = 0
+  c.train.target_flops = 1.2e13   # about 250 steps of 4,096 tokens at ~11.8M FLOPs/token
+  c.train.eval_every = 50
+  c.train.sample_tokens = 0
+  return c

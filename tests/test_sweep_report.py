@@ -1,0 +1,86 @@
+"""Sweeps print one command per point; reports turn runs into plots and a table."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bov_jax import report
+from bov_jax import sweep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sweep(*args):
+  return subprocess.run([sys.executable, "-m", "bov_jax.sweep", *args], capture_output=True,
+                        text=True, cwd=ROOT, timeout=120)
+
+
+@pytest.mark.parametrize("name, n", [("table1", 13), ("table2", 5), ("fig5b", 6),
+                                     ("layer_targeting", 5), ("table1_cpu", 13)])
+def test_shipped_sweeps_print_one_command_per_point(name, n):
+  out = _sweep(f"--sweep=configs/sweeps/{name}.py", "--print")
+  assert out.returncode == 0, out.stderr
+  lines = out.stdout.strip().splitlines()
+  assert len(lines) == n
+  assert all(l.startswith("python -m bov_jax.main --config=configs/") for l in lines)
+  assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == n  # a workdir each
+  assert not any("target_flops" in l or "num_iterations" in l for l in lines)
+
+
+def test_table1_rows_are_the_paper_variants():
+  lines = _sweep("--sweep=configs/sweeps/table1.py", "--print").stdout.splitlines()
+  presets = [l.split("--config.model.value.preset=")[1].split()[0] for l in lines]
+  assert presets[0] == "gpt_base" and presets[8] == "gpt_base_v_from_x0_learn"
+  assert presets[-1] == "gpt_base_add_init_res_v_learn"
+
+
+def test_every_point_keeps_the_flop_budget(tmp_path):
+  f = tmp_path / "bad.py"
+  f.write_text("def get_sweep():\n  return {'base': 'configs/tiny.py', 'points': [\n"
+               "    {'name': 'a', 'overrides': {'train.num_iterations': 5}}]}\n")
+  out = _sweep(f"--sweep={f}", "--print")
+  assert out.returncode == 2 and "keeps the base's FLOP budget" in out.stderr
+
+
+def test_overrides_pass_through_and_product():
+  pts = sweep.product([("a", {"x": 1}), ("b", {"x": 2})], [("s", {"y": 0})])
+  assert [p["name"] for p in pts] == ["a-s", "b-s"] and pts[1]["overrides"] == {"x": 2, "y": 0}
+  out = _sweep("--sweep=configs/sweeps/table2.py", "--print", "--workdir_root=gs://b/r",
+               "--config.train.seed=4")
+  assert "--workdir=gs://b/r/bov " in out.stdout and "--config.train.seed=4" in out.stdout
+
+
+def test_cache_memory_formula():
+  # Eq. 6: (L/3) * d * (T - |V|) elements per sequence
+  assert report.cache_saved_bytes(8, 1536, 32768, [65536], 1) == [8 * 1536 * (65536 - 32768)]
+  assert report.cache_saved_bytes(4, 768, 32768, [2048], 2)[0] < 0  # short contexts: no win
+
+
+def test_report_on_two_runs(tmp_path):
+  """Two short tiny runs (baseline and BoV) -> PNGs and a Markdown table."""
+  common = ["--config=configs/tiny.py", "--config.model.vocab_size=512",
+            "--config.model.n_embd=64", "--config.model.sequence_len=128",
+            "--config.model.short_window=64", "--config.train.batch_tokens=1024",
+            "--config.train.device_batch_size=8", "--config.data.tokenizer_chars=2000000",
+            "--config.train.num_iterations=6", "--config.train.eval_every=3",
+            "--config.train.eval_tokens=2048", "--config.train.sample_tokens=0"]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  runs = []
+  for preset in ("gpt_base", "gpt_base_v_from_value_emb_learn"):
+    wd = str(tmp_path / preset)
+    out = subprocess.run([sys.executable, "-m", "bov_jax.main", f"--workdir={wd}", *common,
+                          f"--config.model.value.preset={preset}"], capture_output=True,
+                         text=True, cwd=ROOT, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    runs.append(wd)
+  coeffs = report.coefficients(runs[1])
+  assert sorted(coeffs["layers"]) == [4, 5] and "gamma" in coeffs["layers"][4]
+  out = subprocess.run([sys.executable, "-m", "bov_jax.report", *runs, f"--out={tmp_path}/rep"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  written = json.loads(out.stdout.strip().splitlines()[-1])["written"]
+  assert sum(w.endswith(".png") for w in written) >= 2
+  md = open(os.path.join(tmp_path, "rep", "results.md")).read()
+  assert "gpt_base_v_from_value_emb_learn" in md and "| 4,5 |" in md
