@@ -31,6 +31,8 @@ _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps (train) / decode steps p
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps after compilation.")
 _CONTEXTS = flags.DEFINE_string("contexts", "256,1024", "Context lengths (decode).")
 _BATCH = flags.DEFINE_integer("batch", 1, "Sequences decoded together (decode).")
+_REFERENCE = flags.DEFINE_enum("reference", None, ["torch"],
+                               "train: also time the PyTorch transcription (needs torch).")
 
 
 def _emit(obj, as_json):
@@ -156,7 +158,14 @@ def main(argv):
   if _CONFIG.value is None:
     raise app.UsageError("--config=FILE is required")
   if argv[1] == "train":
-    _emit(bench_train(_CONFIG.value, _STEPS.value, _WARMUP.value), _JSON.value)
+    ours = bench_train(_CONFIG.value, _STEPS.value, _WARMUP.value)
+    if _REFERENCE.value == "torch":
+      from bov_jax import torch_reference  # imports torch
+      ref = torch_reference.bench(_CONFIG.value, _STEPS.value, _WARMUP.value)
+      _emit(ref, _JSON.value)
+      ours["reference_tokens_per_s"] = ref["tokens_per_s"]
+      ours["speedup_vs_reference"] = ours["tokens_per_s"] / ref["tokens_per_s"]
+    _emit(ours, _JSON.value)
   else:
     contexts = [int(c) for c in _CONTEXTS.value.split(",") if c.strip()]
     for rec in bench_decode(_CONFIG.value, contexts, _BATCH.value, _STEPS.value):

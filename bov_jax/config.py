@@ -36,6 +36,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.short_window = 0          # 0: the reference's rule, ceil((T // 4) / 128) * 128
   m.dtype = "float32"         # compute dtype (bfloat16 on accelerators)
   m.param_dtype = "float32"   # master weights
+  m.loss_chunk = 1024          # rows per chunk of the cross-entropy (losses.py)
   m.table_lookup = "auto"     # auto | shard_map | gather | one_hot (see sharding.py)
   m.value = v = ml_collections.ConfigDict()
   v.preset = ""               # a reference model_type name; sets the four below
@@ -67,6 +68,7 @@ def base_config() -> ml_collections.ConfigDict:
   o.warmup_steps = 40
   o.warmdown_ratio = 0.65
   o.final_lr_frac = 0.05
+  o.muon_batched = "auto"     # batch Polar Express over same-shaped matrices: auto|true|false
 
   c.data = d = ml_collections.ConfigDict()
   d.corpus = "embedded"       # embedded | a path (text, JSONL, Parquet) or glob
@@ -172,6 +174,8 @@ def validate(cfg) -> values.ValueMode:
     raise ConfigError(
         f"model.value.combine='gated_add' reads {values.GATE_CHANNELS} channels; "
         f"model.n_embd={m.n_embd} is smaller")
+  if cfg.optim.muon_batched not in ("auto", "true", "false"):
+    raise ConfigError(f"optim.muon_batched={cfg.optim.muon_batched!r}: expected auto, true or false")
   t = cfg.train
   _positive("train.batch_tokens", t.batch_tokens)
   _positive("train.device_batch_size", t.device_batch_size)

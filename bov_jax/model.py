@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from bov_jax import config as config_lib
+from bov_jax import losses
 from bov_jax import sharding
 from bov_jax import values
 
@@ -73,6 +74,25 @@ class _FrozenDict(dict):
     return hash(tuple(sorted(self.items())))
 
 
+def self_attend(q_BTHE, k_BTKE, v_BTKE, window):
+  """Causal sliding-window attention of a sequence over itself (training, prefill).
+
+  jax.nn.dot_product_attention picks the backend's fused kernel where one
+  exists (cuDNN flash attention on GPU) and XLA elsewhere; it takes GQA and
+  the sliding window (query i sees keys i - window .. i) directly.
+  """
+  B, T, H, E = q_BTHE.shape
+  out = jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True,
+                                     local_window_size=(window, 0))
+  return out.reshape(B, T, H * E)
+
+
+def mm(x, w):
+  """x [..., D] @ w [D, F] as one 2-D matmul: XLA's CPU backward (x^T dy) runs ~12%
+  faster on a flattened [rows, D] operand than on a [B, T, D] one."""
+  return (x.reshape(-1, x.shape[-1]) @ w.astype(x.dtype)).reshape(*x.shape[:-1], w.shape[-1])
+
+
 def _param(shape, logical, dtype):
   return nnx.Param(jnp.zeros(shape, dtype), logical=logical)
 
@@ -97,25 +117,29 @@ class Attention(nnx.Module):
 
   def project_v(self, x_BTD):
     B, T, _ = x_BTD.shape
-    return (x_BTD @ self.wv.astype(x_BTD.dtype)).reshape(B, T, self.n_kv_head, self.head_dim)
+    return mm(x_BTD, self.wv[...]).reshape(B, T, self.n_kv_head, self.head_dim)
 
   def qkv(self, x_BTD, pos_BT, v_tilde_BTKE=None):
     """Queries, keys and values of the new positions (rotary and QK-norm applied)."""
     B, T, _ = x_BTD.shape
     H, K, E = self.n_head, self.n_kv_head, self.head_dim
     dt = x_BTD.dtype
-    q = (x_BTD @ self.wq.astype(dt)).reshape(B, T, H, E)
-    k = (x_BTD @ self.wk.astype(dt)).reshape(B, T, K, E)
+    # One matmul for q, k (and v): fewer, larger matmuls run faster, and the
+    # concatenated weight is small next to the activations.
+    ws = [self.wq[...], self.wk[...]] + ([self.wv[...]] if self.lv.uses_v else [])
+    qkv = mm(x_BTD, jnp.concatenate(ws, axis=1).astype(dt))
+    q = qkv[..., :H * E].reshape(B, T, H, E)
+    k = qkv[..., H * E:(H + K) * E].reshape(B, T, K, E)
+    v = qkv[..., (H + K) * E:].reshape(B, T, K, E) if self.lv.uses_v else None
     q = rmsnorm(rotary(q, pos_BT)) * QK_NORM_SCALE
     k = rmsnorm(rotary(k, pos_BT)) * QK_NORM_SCALE
-    v = self.project_v(x_BTD) if self.lv.uses_v else None
     coeffs = {n: p[...] for n, p in self.coeffs.items()}
     v = values.combine(self.lv, v, v_tilde_BTKE, coeffs, gate_input=x_BTD,
                        gate_w=None if self.gate is None else self.gate[...])
     return q, k, v
 
   def output(self, y_BTF):
-    return y_BTF @ self.wo.astype(y_BTF.dtype)
+    return mm(y_BTF, self.wo[...])
 
 
 class MLP(nnx.Module):
@@ -127,8 +151,8 @@ class MLP(nnx.Module):
     self.w_proj = _param((4 * D, D), ("mlp", "embed"), pd)
 
   def __call__(self, x_BTD):
-    h = jnp.square(jax.nn.relu(x_BTD @ self.w_fc.astype(x_BTD.dtype)))
-    return h @ self.w_proj.astype(x_BTD.dtype)
+    h = jnp.square(jax.nn.relu(mm(x_BTD, self.w_fc[...])))
+    return mm(h, self.w_proj[...])
 
 
 class Block(nnx.Module):
@@ -147,6 +171,7 @@ class GPT(nnx.Module):
     self.vocab_size = m.vocab_size
     self.compute_dtype = jnp.dtype(m.dtype)
     self.table_lookup = m.table_lookup
+    self.loss_chunk = m.loss_chunk
     Vp = values.padded_vocab(m.vocab_size)
     D = m.n_embd
     K, E = m.n_kv_head, m.n_embd // m.n_head
@@ -215,7 +240,7 @@ class GPT(nnx.Module):
         v1 = v
       if return_kv:
         kvs.append((k, v))
-      x = x + block.attn.output(attend(q, k, v, pos, pos, block.attn.window))
+      x = x + block.attn.output(self_attend(q, k, v, block.attn.window))
       x = x + block.mlp(rmsnorm(x))
     return (rmsnorm(x), kvs) if return_kv else rmsnorm(x)
 
@@ -229,12 +254,16 @@ class GPT(nnx.Module):
     return self.logits(self.hidden(idx_BT))
 
   def token_losses(self, idx_BT, targets_BT):
-    """Cross-entropy in nats per target position; 0 where target == -1."""
-    z = self(idx_BT)
-    logz = jax.nn.logsumexp(z, axis=-1)
-    safe = jnp.where(targets_BT < 0, 0, targets_BT)
-    nll = logz - jnp.take_along_axis(z, safe[..., None], axis=-1)[..., 0]
-    return jnp.where(targets_BT < 0, 0.0, nll)
+    """Cross-entropy in nats per target position; 0 where target == -1.
+
+    Chunked over rows with a hand-written backward (losses.py): the fp32
+    logits of the whole batch are never materialised.
+    """
+    h = self.hidden(idx_BT)
+    B, T, D = h.shape
+    nll = losses.softcap_nll(h.reshape(B * T, D), self.lm_head[...], targets_BT.reshape(-1),
+                             self.vocab_size, self.loss_chunk)
+    return nll.reshape(B, T)
 
   def loss(self, idx_BT, targets_BT):
     """Mean cross-entropy over targets != -1."""

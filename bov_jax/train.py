@@ -57,10 +57,13 @@ def make_train_step(graphdef, tx):
       loss, grads = grad_fn(params, *xy)
       return jax.tree.map(jnp.add, acc, (loss, grads)), None
 
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (loss, grads), _ = jax.lax.scan(micro, zeros, (inputs, targets))
     n = inputs.shape[0]
-    loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
+    if n == 1:  # no accumulation loop to pay for
+      loss, grads = grad_fn(params, inputs[0], targets[0])
+    else:
+      zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+      (loss, grads), _ = jax.lax.scan(micro, zeros, (inputs, targets))
+      loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     return params, opt_state, {"train_loss": loss}

@@ -11,7 +11,7 @@ def get_config():
   c = tiny.get_config()
   c.model.value.preset = "gpt_base"
   c.train.num_iterations = 0
-  c.train.target_flops = 1.2e13   # about 250 steps of 4,096 tokens at ~11.8M FLOPs/token
-  c.train.eval_every = 50
+  c.train.target_flops = 5.8e12   # about 120 steps of 4,096 tokens at ~11.8M FLOPs/token
+  c.train.eval_every = 40
   c.train.sample_tokens = 0
   return c

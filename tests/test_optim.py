@@ -190,3 +190,19 @@ def test_full_optimizer_matches_numpy_per_group():
         ref_p[k] = ref.step(ref_p[k], grads[k].astype(np.float64), hp[lab] * mult)
     for got, want, lab in zip(jax.tree.leaves(params), ref_p, labels):
       np.testing.assert_allclose(np.asarray(got), want, rtol=3e-4, atol=3e-6, err_msg=lab)
+
+
+def test_batched_polar_express_equals_one_at_a_time():
+  rng = np.random.default_rng(5)
+  ps = {k: jnp.asarray(rng.standard_normal(s), jnp.float32)
+        for k, s in (("a", (8, 8)), ("b", (8, 8)), ("c", (8, 16)), ("d", (16, 8)))}
+  gs = {k: jnp.asarray(rng.standard_normal(v.shape), jnp.float32) for k, v in ps.items()}
+  out = []
+  for batched in (True, False):
+    tx = optim.muon(lambda i: 0.02, lambda i: 0.9, lambda i: 0.1, batched=batched)
+    state = tx.init(ps)
+    for _ in range(2):
+      u, state = tx.update(gs, state, ps)
+    out.append(u)
+  for k in ps:
+    np.testing.assert_allclose(np.asarray(out[0][k]), np.asarray(out[1][k]), rtol=1e-5, atol=1e-7)

@@ -1,0 +1,219 @@
+"""A PyTorch transcription of the same model and optimizer (SPEC sections 1, 2, 4).
+
+Used only by `python -m bov_jax.bench train --reference=torch` to time the
+reference-style PyTorch step on the same machine in the same run; torch is
+imported only here. It follows the reference code's structure (Linear layers
+stored [out, in], F.scaled_dot_product_attention, the NorMuon-style Muon and
+torch AdamW groups), covering the two presets the speed comparison uses:
+`gpt_base` and `gpt_base_v_from_value_emb_learn`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bov_jax import optim as jax_optim
+
+
+def _norm(x):
+  return F.rms_norm(x, (x.size(-1),))
+
+
+class Attention(nn.Module):
+
+  def __init__(self, d, H, K, bank: bool, vocab_padded: int):
+    super().__init__()
+    self.H, self.K, self.E = H, K, d // H
+    self.c_q = nn.Linear(d, H * self.E, bias=False)
+    self.c_k = nn.Linear(d, K * self.E, bias=False)
+    self.c_v = None if bank else nn.Linear(d, K * self.E, bias=False)
+    self.c_proj = nn.Linear(d, d, bias=False)
+    self.bank = bank
+    if bank:
+      self.gamma_v = nn.Parameter(torch.ones(1))
+      self.value_embed = nn.Embedding(vocab_padded, K * self.E)
+
+  def forward(self, x, idx, cos, sin, window):
+    B, T, _ = x.shape
+    q = self.c_q(x).view(B, T, self.H, self.E)
+    k = self.c_k(x).view(B, T, self.K, self.E)
+    if self.bank:
+      v = self.gamma_v * self.value_embed(idx).view(B, T, self.K, self.E)
+    else:
+      v = self.c_v(x).view(B, T, self.K, self.E)
+
+    def rope(t):
+      h = t.size(-1) // 2
+      t1, t2 = t[..., :h], t[..., h:]
+      return torch.cat([t1 * cos + t2 * sin, -t1 * sin + t2 * cos], dim=-1)
+
+    q, k = _norm(rope(q)) * 1.2, _norm(rope(k)) * 1.2
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if window >= T:
+      y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.H != self.K)
+    else:
+      i = torch.arange(T)
+      mask = (i[:, None] - i[None, :] >= 0) & (i[:, None] - i[None, :] <= window)
+      y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.H != self.K)
+    return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class Block(nn.Module):
+
+  def __init__(self, d, H, K, bank, vp):
+    super().__init__()
+    self.attn = Attention(d, H, K, bank, vp)
+    self.c_fc = nn.Linear(d, 4 * d, bias=False)
+    self.mlp_proj = nn.Linear(4 * d, d, bias=False)
+
+  def forward(self, x, idx, cos, sin, window):
+    x = x + self.attn(_norm(x), idx, cos, sin, window)
+    return x + self.mlp_proj(F.relu(self.c_fc(_norm(x))).square())
+
+
+class GPT(nn.Module):
+
+  def __init__(self, cfg, bank_layers):
+    super().__init__()
+    from bov_jax import config as config_lib
+    m = cfg.model
+    d, H, K, L = m.n_embd, m.n_head, m.n_kv_head, m.n_layer
+    self.vocab = m.vocab_size
+    vp = -(-m.vocab_size // 64) * 64
+    self.wte = nn.Embedding(vp, d)
+    self.lm_head = nn.Linear(d, vp, bias=False)
+    self.smear_gate = nn.Linear(24, 1, bias=False)
+    self.smear_lambda = nn.Parameter(torch.zeros(1))
+    self.blocks = nn.ModuleList([Block(d, H, K, i in bank_layers, vp) for i in range(L)])
+    self.windows = config_lib.window_sizes(cfg)
+    E = d // H
+    inv = 1.0 / (100000 ** (torch.arange(0, E, 2).float() / E))
+    ang = torch.arange(m.sequence_len).float()[:, None] * inv[None]
+    self.register_buffer("cos", ang.cos()[None, :, None, :], persistent=False)
+    self.register_buffer("sin", ang.sin()[None, :, None, :], persistent=False)
+    s = math.sqrt(3) / math.sqrt(d)
+    with torch.no_grad():
+      nn.init.normal_(self.wte.weight, std=0.8)
+      nn.init.normal_(self.lm_head.weight, std=0.001)
+      nn.init.uniform_(self.smear_gate.weight, 0, 0.02)
+      for b in self.blocks:
+        for lin in (b.attn.c_q, b.attn.c_k, b.attn.c_v):
+          if lin is not None:
+            nn.init.uniform_(lin.weight, -s, s)
+        nn.init.uniform_(b.c_fc.weight, -0.4 * s, 0.4 * s)
+        nn.init.zeros_(b.attn.c_proj.weight)
+        nn.init.zeros_(b.mlp_proj.weight)
+        if b.attn.bank:
+          nn.init.uniform_(b.attn.value_embed.weight, -s, s)
+
+  def forward(self, idx, targets):
+    B, T = idx.shape
+    x = _norm(self.wte(idx))
+    g = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :24]))
+    x = torch.cat([x[:, :1], x[:, 1:] + g * x[:, :-1]], dim=1)
+    cos, sin = self.cos[:, :T], self.sin[:, :T]
+    for b, w in zip(self.blocks, self.windows):
+      x = b(x, idx, cos, sin, w)
+    logits = self.lm_head(_norm(x))[..., :self.vocab].float()
+    logits = 15 * torch.tanh(logits / 15)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+
+
+class Muon(torch.optim.Optimizer):
+  """The reference's Muon: momentum, Polar Express, variance reduction, cautious wd."""
+
+  def __init__(self, params, lr, momentum=0.95, weight_decay=0.0):
+    super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+
+  @torch.no_grad()
+  def step(self):
+    for group in self.param_groups:
+      m, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+      for p in group["params"]:
+        g = p.grad
+        st = self.state[p]
+        if not st:
+          st["buf"] = torch.zeros_like(g)
+          red = -1 if p.size(-2) >= p.size(-1) else -2
+          shape = (p.size(-2), 1) if red == -1 else (1, p.size(-1))
+          st["buf2"], st["red"] = torch.zeros(shape), red
+        buf = st["buf"]
+        buf.lerp_(g, 1 - m)
+        u = g.lerp(buf, m)
+        x = u / (u.norm() * 1.01 + 1e-6)
+        tall = x.size(-2) > x.size(-1)
+        if tall:
+          x = x.mT
+        for a, b, c in jax_optim.POLAR_EXPRESS:
+          A = x @ x.mT
+          x = a * x + (b * A + c * A @ A) @ x
+        if tall:
+          x = x.mT
+        v = x.square().mean(dim=st["red"], keepdim=True)
+        n_red = x.size(st["red"])
+        norm = (v.sum() * n_red).sqrt()
+        st["buf2"].lerp_(v, 0.1)
+        step = st["buf2"].clamp_min(1e-10).rsqrt()
+        new = (v * n_red * step.square()).sum().sqrt()
+        x = x * step * (norm / new.clamp_min(1e-10))
+        lr_eff = lr * max(1.0, p.size(-2) / p.size(-1)) ** 0.5
+        mask = (x * p) >= 0
+        p.sub_(lr_eff * x + lr_eff * wd * p * mask)
+
+
+def make_optimizers(model: GPT):
+  matrices = [p for b in model.blocks for n, p in b.named_parameters()
+              if p.ndim == 2 and "value_embed" not in n]
+  tables = [b.attn.value_embed.weight for b in model.blocks if b.attn.bank]
+  gammas = [b.attn.gamma_v for b in model.blocks if b.attn.bank]
+  groups = [dict(params=[model.lm_head.weight], lr=0.008, betas=(0.8, 0.96), weight_decay=0.01),
+            dict(params=[model.wte.weight], lr=0.3, betas=(0.8, 0.995), weight_decay=0.001),
+            dict(params=[model.smear_gate.weight, model.smear_lambda], lr=0.2,
+                 betas=(0.8, 0.95), weight_decay=0.0)]
+  if tables:
+    groups.append(dict(params=tables, lr=0.15, betas=(0.8, 0.995), weight_decay=0.01))
+    groups.append(dict(params=gammas, lr=0.5, betas=(0.96, 0.95), weight_decay=0.0))
+  adam = torch.optim.AdamW(groups, eps=1e-10)
+  return [adam, Muon(matrices, lr=0.02, momentum=0.95, weight_decay=0.28)]
+
+
+def bench(cfg, steps: int, warmup: int) -> dict:
+  """Tokens per second of the PyTorch step (forward, backward, both optimizers)."""
+  import statistics
+  import time
+  from bov_jax import config as config_lib
+  from bov_jax import values
+  torch.manual_seed(0)
+  mode = config_lib.value_mode(cfg)
+  if mode.preset not in ("gpt_base", "gpt_base_v_from_value_emb_learn"):
+    raise ValueError("the PyTorch reference covers gpt_base and gpt_base_v_from_value_emb_learn")
+  banks = set(values.target_layers(mode, cfg.model.n_layer)) if mode.source == "table" else set()
+  model = GPT(cfg, banks)
+  opts = make_optimizers(model)
+  T, B = cfg.model.sequence_len, cfg.train.device_batch_size
+  accum = max(1, cfg.train.batch_tokens // (B * T))
+  data = torch.randint(0, cfg.model.vocab_size, (accum, B, T + 1))
+
+  def step():
+    for a in range(accum):
+      loss = model(data[a, :, :-1], data[a, :, 1:]) / accum
+      loss.backward()
+    for o in opts:
+      o.step()
+    model.zero_grad(set_to_none=True)
+
+  for _ in range(warmup):
+    step()
+  times = []
+  for _ in range(steps):
+    t = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - t)
+  dt = statistics.median(times)
+  return {"bench": "train_torch_reference", "preset": mode.preset, "torch": torch.__version__,
+          "threads": torch.get_num_threads(), "step_s": dt,
+          "tokens_per_s": accum * B * T / dt}

@@ -1,0 +1,44 @@
+"""The benchmark commands print their JSON contracts (numbers are not asserted: timing
+claims live in the benchmark output, not in tests)."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--config=configs/tiny.py", "--config.model.n_layer=3", "--config.model.n_embd=64",
+         "--config.model.vocab_size=512", "--config.model.sequence_len=128",
+         "--config.model.short_window=32", "--json"]
+
+
+def _bench(*args):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  out = subprocess.run([sys.executable, "-m", "bov_jax.bench", *args], capture_output=True,
+                       text=True, cwd=ROOT, env=env, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  return [json.loads(l) for l in out.stdout.strip().splitlines() if l.startswith("{")]
+
+
+def test_bench_decode_lines_and_memory_formula():
+  recs = _bench("decode", *SMALL, "--contexts=64,128", "--steps=4", "--batch=2")
+  assert len(recs) == 4
+  keys = {"preset", "context", "batch", "cache_bytes", "n_bank_layers", "kv_dim",
+          "bytes_per_element", "tokens_per_s"}
+  assert all(keys <= set(r) for r in recs)
+  by = {(r["preset"], r["context"]): r for r in recs}
+  for ctx in (64, 128):
+    base, bov = by[("gpt_base", ctx)], by[("gpt_base_v_from_value_emb_learn", ctx)]
+    assert bov["n_bank_layers"] == 1 and base["n_bank_layers"] == 0
+    saved = base["cache_bytes"] - bov["cache_bytes"]
+    full = bov["n_bank_layers"] * bov["kv_dim"] * ctx * bov["bytes_per_element"] * 2
+    assert saved == full - 2 * ctx * 4  # less the id cache (int32)
+    assert bov["tokens_per_s"] > 0
+
+
+def test_bench_train_fields():
+  (rec,) = _bench("train", *SMALL, "--steps=2", "--warmup=1", "--config.train.batch_tokens=1024",
+                  "--config.train.device_batch_size=8")
+  for k in ("tokens_per_s", "flops_per_token", "achieved_flops", "peak_flops", "mfu"):
+    assert rec[k] > 0
+  assert abs(rec["achieved_flops"] - rec["tokens_per_s"] * rec["flops_per_token"]) < 1e-6 * rec[
+      "achieved_flops"]
