@@ -88,6 +88,7 @@ def base_config() -> ml_collections.ConfigDict:
   sm.top_k = 0                # 0 = no top-k filter
   sm.seed = 0
   sm.use_cache = True         # False: recompute the full forward pass per token
+  sm.tables_on_host = False   # keep value tables in host memory, fetch rows per step
 
   c.mesh = ms = ml_collections.ConfigDict()
   ms.data = -1

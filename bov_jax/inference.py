@@ -29,6 +29,30 @@ from bov_jax import sharding
 from bov_jax import values
 
 
+def tables_to_host(cfg, params):
+  """(graphdef, params) with the value tables in host memory, read row by row.
+
+  Raises ConfigError naming `sample.tables_on_host` where the backend has no
+  host memory kind or the run spans several devices.
+  """
+  from bov_jax import config as config_lib
+  if not sharding.host_memory_supported():
+    raise config_lib.ConfigError(
+        f"sample.tables_on_host=True is not supported on this backend "
+        f"({jax.default_backend()}): its devices have no pinned_host memory")
+  devices = {d for x in jax.tree.leaves(params) for d in getattr(x, "sharding").device_set}
+  if len(devices) > 1:
+    raise config_lib.ConfigError(
+        "sample.tables_on_host=True is supported for a model on a single device; this "
+        f"one spans {len(devices)}")
+  c = cfg.copy_and_resolve_references()
+  c.model.table_lookup = "host"
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_lib.build(c)))
+  params = dict(params)
+  params["tables"] = {k: sharding.place_on_host(v) for k, v in params.get("tables", {}).items()}
+  return graphdef, params
+
+
 # -- which layers store what ----------------------------------------------------------
 
 def stores_values(lv: values.LayerValue) -> bool:

@@ -114,7 +114,42 @@ def global_batch(local: np.ndarray, mesh, leading_dims: int = 1):
 #   gather     jnp.take under the compiler's sharding propagation.
 #   one_hot    one_hot(idx) @ E: a matmul, which all-gathers an FSDP-split table.
 
-LOOKUPS = ("auto", "shard_map", "gather", "one_hot")
+LOOKUPS = ("auto", "shard_map", "gather", "one_hot", "host")
+
+
+# -- value tables in host memory (inference) -------------------------------------------
+#
+# The paper's suggestion: a bank table is only read by id, so it can live in host
+# memory and each step fetches just the rows it needs. The gather runs on the host
+# (compute_on), then only the rows move to the device.
+
+def host_memory_supported(device=None) -> bool:
+  device = device or jax.devices()[0]
+  try:
+    return any(m.kind == "pinned_host" for m in device.addressable_memories())
+  except Exception:  # noqa: BLE001 - backends without the memories API
+    return False
+
+
+def _memory(kind: str):
+  from jax.sharding import SingleDeviceSharding
+  return SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+
+
+def place_on_host(x):
+  return jax.device_put(x, _memory("pinned_host"))
+
+
+def _host_take(table, idx):
+  from jax.experimental.compute_on import compute_on
+
+  @compute_on("device_host")
+  @jax.jit
+  def take(t, i):
+    return t.at[i].get(mode="promise_in_bounds")  # ids are valid tokens
+
+  rows = take(table, jax.device_put(idx, _memory("pinned_host")))
+  return jax.device_put(rows, _memory("device"))
 
 
 def _table_axes(mesh, n_rows: int):
@@ -128,6 +163,8 @@ def _table_axes(mesh, n_rows: int):
 def table_lookup(table_VD, idx_BT, impl: str = "auto"):
   """Rows of a (possibly vocab-split) table for token ids, [B, T, D]."""
   mesh = jax.sharding.get_abstract_mesh()
+  if impl == "host":
+    return _host_take(table_VD, idx_BT)
   if impl == "one_hot":
     return jax.nn.one_hot(idx_BT, table_VD.shape[0], dtype=table_VD.dtype) @ table_VD
   if mesh.empty or impl == "gather":

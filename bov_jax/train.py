@@ -431,9 +431,11 @@ def sample_checkpoint(cfg, workdir: str) -> dict:
     if len(prompt) >= context:
       raise config_lib.ConfigError(f"sample.prompt is {len(prompt)} tokens; the context is "
                                    f"{context}")
+    graphdef = run.graphdef
+    if s.tables_on_host:
+      graphdef, params = inference.tables_to_host(cfg, params)
     gen = inference.generate_cached if s.use_cache else inference.generate_uncached
-    ids = gen(run.graphdef, params, prompt, s.max_new_tokens, context, s.temperature, s.top_k,
-              s.seed)
+    ids = gen(graphdef, params, prompt, s.max_new_tokens, context, s.temperature, s.top_k, s.seed)
   log(run.tok.decode(prompt[1:] + ids))
   return {"tokens": ids}
 

@@ -105,3 +105,29 @@ def test_top_k_sampling_stays_in_top_k():
   seen = {int(inference.sample_logits(logits, jax.random.key(i), 1.0, 2)[0]) for i in range(200)}
   assert seen == {1, 2}
   assert int(inference.sample_logits(logits, jax.random.key(0), 0.0, 0)[0]) == 1
+
+
+def test_tables_in_host_memory_decode_the_same():
+  from bov_jax import sharding
+  if not sharding.host_memory_supported():
+    pytest.skip("this backend has no pinned_host memory")
+  cfg = small_config("gpt_base_v_from_value_emb_learn", sequence_len=64, short_window=8)
+  m = _model("gpt_base_v_from_value_emb_learn", sequence_len=64, short_window=8)
+  graphdef, state = nnx.split(m)
+  params = jax.device_put(nnx.to_pure_dict(state), jax.devices()[0])
+  want = inference.generate_cached(graphdef, params, [5, 17, 3], 16, 64)
+  hgraph, hparams = inference.tables_to_host(cfg, params)
+  assert all(t.sharding.memory_kind == "pinned_host" for t in hparams["tables"].values())
+  assert hparams["wte"].sharding.memory_kind != "pinned_host"
+  assert inference.generate_cached(hgraph, hparams, [5, 17, 3], 16, 64) == want
+
+
+def test_tables_on_host_refuses_several_devices():
+  from bov_jax import config as config_lib
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  if jax.device_count() < 2:
+    pytest.skip("needs several devices")
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  spread = jax.device_put(jnp.zeros((jax.device_count(), 4)), NamedSharding(mesh, P("data")))
+  with pytest.raises(config_lib.ConfigError, match="sample.tables_on_host"):
+    inference.tables_to_host(small_config(), {"wte": spread})
