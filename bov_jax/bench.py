@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app
 from absl import flags
 from absl import logging
@@ -40,7 +38,6 @@ def _emit(obj, as_json):
 
 
 def bench_train(cfg, steps: int, warmup: int) -> dict:
-  import optax
   from bov_jax import config as config_lib
   from bov_jax import model as model_lib
   from bov_jax import optim
@@ -58,9 +55,7 @@ def bench_train(cfg, steps: int, warmup: int) -> dict:
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_lib.build(cfg)))
   counts = plan.param_counts(cfg)
   fpt = 6 * counts["n_matmul"] + plan.attention_flops(cfg)
-  ref = config_lib.depth_config(12)
-  ref.model.vocab_size = cfg.model.vocab_size
-  hp = optim.hyperparams(cfg, plan.scaling_params(cfg), plan.scaling_params(ref))
+  hp = plan.hyperparams(cfg)
   tx = optim.make(cfg, 1000, hp)
   with jax.set_mesh(mesh):
     params = jax.jit(lambda k: nnx.to_pure_dict(nnx.state(model_lib.init_model_eager(cfg, k))),
@@ -88,7 +83,6 @@ def bench_train(cfg, steps: int, warmup: int) -> dict:
   dt = statistics.median(times)
   tps = cfg.train.batch_tokens / dt
   peak = plan.peak_flops() * n_dev
-  del optax
   return {"bench": "train", "preset": config_lib.value_mode(cfg).preset, "devices": n_dev,
           "platform": jax.devices()[0].platform, "tokens_per_step": cfg.train.batch_tokens,
           "step_s": dt, "compile_s": compile_s, "tokens_per_s": tps, "flops_per_token": fpt,

@@ -224,13 +224,20 @@ def centered(acc: float, random_baseline_pct: float) -> float:
 
 
 def evaluate_task(bundle, task: Task, scorer: Scorer, tok, max_len: int,
-                  max_per_task: int = -1) -> float:
+                  max_per_task: int = -1, log=print) -> float:
   items = load_items(bundle, task, max_per_task)
-  correct = 0
+  correct = unscorable = 0
   for idx, item in enumerate(items):
     prompts = render(task, item, fewshot_examples(items, idx, task.num_fewshot))
-    s = truncate_left(spans(task, prompts, tok), max_len)
+    try:
+      s = truncate_left(spans(task, prompts, tok), max_len)
+    except BundleError:  # a continuation longer than the context: counted as wrong
+      unscorable += 1
+      continue
     correct += score_item(task, s, scorer, tok, item.get("gold"))
+  if unscorable:
+    log(f"CORE {task.label}: {unscorable} of {len(items)} items have a continuation longer "
+        f"than the {max_len}-token context; counted as wrong")
   return correct / max(1, len(items))
 
 
@@ -241,7 +248,7 @@ def core(bundle: str, graphdef, params, tok, max_len: int, max_per_task: int = -
   scorer = Scorer(graphdef, params, max_len, pad_id=tok.bos_id)
   results = {}
   for task in tasks:
-    acc = evaluate_task(bundle, task, scorer, tok, max_len, max_per_task)
+    acc = evaluate_task(bundle, task, scorer, tok, max_len, max_per_task, log)
     results[task.label] = {"accuracy": acc, "centered": centered(acc, task.random_baseline)}
     log(f"CORE {task.label}: accuracy {acc:.4f}, centered {results[task.label]['centered']:.4f}")
   score = float(np.mean([r["centered"] for r in results.values()])) if results else float("nan")

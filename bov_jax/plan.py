@@ -9,7 +9,6 @@ FLOPs follow SPEC section 3 (nanochat's estimate_flops):
 
 from __future__ import annotations
 
-import math
 
 import jax
 import numpy as np
@@ -68,6 +67,15 @@ def scaling_params(cfg) -> int:
   flat = _flat(abstract_state(baseline))
   return sum(int(np.prod(v.shape)) for path, v in flat.items()
              if path[0] in ("blocks", "lm_head"))
+
+
+def hyperparams(cfg) -> dict:
+  """Effective LRs and Muon weight decay (SPEC section 4): D_ref is the dense d12 layout
+  with this run's vocabulary."""
+  from bov_jax import optim
+  ref = config_lib.depth_config(12)
+  ref.model.vocab_size = cfg.model.vocab_size
+  return optim.hyperparams(cfg, scaling_params(cfg), scaling_params(ref))
 
 
 def num_iterations(cfg, fpt: int | None = None) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -169,10 +168,7 @@ def setup(cfg, workdir: str | None) -> Run:
                      out_shardings=shardings)(jax.random.key(cfg.train.seed))
   counts = plan_lib.param_counts(cfg)
   fpt = 6 * counts["n_matmul"] + plan_lib.attention_flops(cfg)
-  ref = config_lib.depth_config(12)
-  ref.model.vocab_size = cfg.model.vocab_size
-  ref.model.sequence_len = cfg.model.sequence_len
-  hp = optim.hyperparams(cfg, plan_lib.scaling_params(cfg), plan_lib.scaling_params(ref))
+  hp = plan_lib.hyperparams(cfg)
   return Run(cfg=cfg, workdir=workdir, mesh=mesh, graphdef=graphdef, params=params,
              param_shardings=shardings, tok=tok, token_bytes=tok.token_bytes(),
              train_docs=data_lib.shard(train_all, pi, pc),

@@ -21,7 +21,6 @@ import dataclasses
 import math
 
 import jax
-import jax.numpy as jnp
 
 SOURCES = ("residual", "x0", "v1", "table")
 COMBINES = ("replace", "add", "gated_add", "scale")

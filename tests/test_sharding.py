@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from bov_jax import model as model_lib
 from bov_jax import plan
