@@ -171,7 +171,7 @@ class GPT(nnx.Module):
     self.vocab_size = m.vocab_size
     self.compute_dtype = jnp.dtype(m.dtype)
     self.table_lookup = m.table_lookup
-    self.loss_chunk = m.loss_chunk
+    self.loss_chunk = m.loss_chunk or (256 if jax.default_backend() == "cpu" else 2048)
     Vp = values.padded_vocab(m.vocab_size)
     D = m.n_embd
     K, E = m.n_kv_head, m.n_embd // m.n_head
