@@ -151,3 +151,26 @@ def test_batch_tokens_must_divide(tmp_path):
 def test_missing_corpus_is_named(tmp_path):
   out = _main(str(tmp_path / "bad"), "--config.data.corpus=/no/such/corpus.jsonl")
   assert out.returncode == 2 and "data.corpus='/no/such/corpus.jsonl'" in out.stderr
+
+
+def test_sigterm_checkpoints_and_resume_continues(tmp_path):
+  wd = str(tmp_path / "term")
+  args = ["--config.train.num_iterations=12", "--config.train.checkpoint_every=100",
+          "--config.train.eval_every=100", "--config.train.sample_tokens=0"]
+  proc = subprocess.Popen([sys.executable, "-m", "bov_jax.main", f"--workdir={wd}", *FAST, *args],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                          env=_env())
+  for line in proc.stdout:
+    if line.startswith("step 4/"):
+      proc.send_signal(signal.SIGTERM)
+      break
+  rest = proc.communicate(timeout=120)[0]
+  assert proc.returncode == 143, rest[-2000:]
+  m = [l for l in rest.splitlines() if l.startswith("SIGTERM: checkpointed step")]
+  assert m, rest[-2000:]
+  step = int(m[0].split("step ")[1].split(";")[0])
+  assert step >= 4 and os.path.isdir(os.path.join(wd, "checkpoints", str(step)))
+  out = _main(wd, *args)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert f"checkpoints/{step}" in out.stdout
+  assert [r["step"] for r in _metrics(wd) if "train_loss" in r] == list(range(1, 13))
