@@ -33,38 +33,44 @@ def _split(n, chunk):
   return chunk
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def softcap_nll(h_ND, w_DV, y_N, vocab: int, chunk: int = 1024):
-  """Per-row NLL (0 where y == -1) of the soft-capped logits; h [N, D], w [D, Vp]."""
-  return _fwd(h_ND, w_DV, y_N, vocab, chunk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def softcap_nll(h_ND, w_DV, y_N, vocab: int, chunk: int = 1024, keep_tanh: bool = False):
+  """Per-row NLL (0 where y == -1) of the soft-capped logits; h [N, D], w [D, Vp].
+
+  keep_tanh keeps the fp32 tanh of every chunk for the backward instead of
+  recomputing the chunk's logits (N x V x 4 bytes: worth it only when small).
+  """
+  return _fwd(h_ND, w_DV, y_N, vocab, chunk, keep_tanh)[0]
 
 
-def _fwd(h, w, y, vocab, chunk):
+def _fwd(h, w, y, vocab, chunk, keep_tanh=False):
   N = h.shape[0]
   c = _split(N, chunk)
 
   def body(_, hy):
     hc, yc = hy
-    z, _ = _chunk_logits(hc, w, vocab)
+    z, t = _chunk_logits(hc, w, vocab)
     lse = jax.nn.logsumexp(z, axis=-1)
     hit = jnp.arange(vocab)[None, :] == yc[:, None]
     zy = jnp.sum(jnp.where(hit, z, 0.0), axis=-1)
-    return None, (jnp.where(yc >= 0, lse - zy, 0.0), lse)
+    return None, (jnp.where(yc >= 0, lse - zy, 0.0), lse, t if keep_tanh else None)
 
-  _, (nll, lse) = jax.lax.scan(body, None, (h.reshape(N // c, c, -1), y.reshape(N // c, c)))
-  return nll.reshape(N), (h, w, y, lse.reshape(N))
+  _, (nll, lse, t) = jax.lax.scan(body, None, (h.reshape(N // c, c, -1), y.reshape(N // c, c)))
+  return nll.reshape(N), (h, w, y, lse.reshape(N), t)
 
 
 def _bwd(vocab, chunk, res, g):
-  h, w, y, lse = res
+  h, w, y, lse, t_kept = res
   N, D = h.shape
   c = _split(N, chunk)
   wv = w.astype(h.dtype)
 
   def body(dw, args):
-    hc, yc, lc, gc = args
-    z, t = _chunk_logits(hc, w, vocab)
-    p = jnp.exp(z - lc[:, None])
+    hc, yc, lc, gc, tc = args
+    if tc is None:  # recompute this chunk's logits (one more matmul, no stored logits)
+      _, tc = _chunk_logits(hc, w, vocab)
+    t = tc
+    p = jnp.exp(SOFTCAP * t - lc[:, None])
     hit = jnp.arange(vocab)[None, :] == yc[:, None]
     gc = jnp.where(yc >= 0, gc, 0.0)
     dz = (p - hit.astype(p.dtype)) * gc[:, None] * (1.0 - t * t)  # through the soft-cap
@@ -75,9 +81,10 @@ def _bwd(vocab, chunk, res, g):
 
   dw0 = jnp.zeros((D, vocab), jnp.float32)
   dw, dh = jax.lax.scan(body, dw0, (h.reshape(N // c, c, D), y.reshape(N // c, c),
-                                    lse.reshape(N // c, c), g.reshape(N // c, c)))
+                                    lse.reshape(N // c, c), g.reshape(N // c, c), t_kept))
   dw = jnp.pad(dw, ((0, 0), (0, w.shape[1] - vocab))).astype(w.dtype)
   return dh.reshape(N, D).astype(h.dtype), dw, None
 
 
-softcap_nll.defvjp(lambda h, w, y, vocab, chunk: _fwd(h, w, y, vocab, chunk), _bwd)
+softcap_nll.defvjp(lambda h, w, y, vocab, chunk, keep: _fwd(h, w, y, vocab, chunk, keep),
+                   lambda vocab, chunk, keep, res, g: _bwd(vocab, chunk, res, g))

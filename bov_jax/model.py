@@ -261,8 +261,10 @@ class GPT(nnx.Module):
     """
     h = self.hidden(idx_BT)
     B, T, D = h.shape
+    # On CPU, keeping the chunks' tanh (up to 256 MiB) beats recomputing their logits.
+    keep = jax.default_backend() == "cpu" and B * T * self.vocab_size * 4 <= 2 ** 28
     nll = losses.softcap_nll(h.reshape(B * T, D), self.lm_head[...], targets_BT.reshape(-1),
-                             self.vocab_size, self.loss_chunk)
+                             self.vocab_size, self.loss_chunk, keep)
     return nll.reshape(B, T)
 
   def loss(self, idx_BT, targets_BT):
