@@ -39,7 +39,6 @@ def _emit(obj, as_json):
 
 def bench_train(cfg, steps: int, warmup: int) -> dict:
   from bov_jax import config as config_lib
-  from bov_jax import model as model_lib
   from bov_jax import optim
   from bov_jax import plan
   from bov_jax import sharding
@@ -50,16 +49,12 @@ def bench_train(cfg, steps: int, warmup: int) -> dict:
   per_device = train.micro_batch_rows(cfg, n_dev)
   T = cfg.model.sequence_len
   accum = cfg.train.batch_tokens // (per_device * n_dev * T)
-  abstract = nnx.state(nnx.eval_shape(lambda: model_lib.build(cfg)))
-  shardings = sharding.named(mesh, sharding.param_specs(abstract, mesh))
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_lib.build(cfg)))
+  graphdef, params, _ = train.init_params(cfg, mesh, jax.random.key(0))
   counts = plan.param_counts(cfg)
   fpt = 6 * counts["n_matmul"] + plan.attention_flops(cfg)
   hp = plan.hyperparams(cfg)
   tx = optim.make(cfg, 1000, hp)
   with jax.set_mesh(mesh):
-    params = jax.jit(lambda k: nnx.to_pure_dict(nnx.state(model_lib.init_model_eager(cfg, k))),
-                     out_shardings=shardings)(jax.random.key(0))
     opt_state = jax.jit(tx.init)(params)
     bsh = sharding.batch_sharding(mesh, leading_dims=2)
     rows = per_device * n_dev

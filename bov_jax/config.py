@@ -73,7 +73,6 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.data = d = ml_collections.ConfigDict()
   d.corpus = "embedded"       # embedded | a path (text, JSONL, Parquet) or glob
-  d.tokenizer_vocab = 0       # 0: model.vocab_size
   d.tokenizer_chars = 200_000_000  # characters of training text the BPE trainer reads
   d.val_every = 20            # document i is held out iff i % val_every == 0
 

@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compute_on import compute_on
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -140,15 +141,14 @@ def place_on_host(x):
   return jax.device_put(x, _memory("pinned_host"))
 
 
+@compute_on("device_host")
+@jax.jit
+def _take_on_host(t, i):
+  return t.at[i].get(mode="promise_in_bounds")  # ids are valid tokens
+
+
 def _host_take(table, idx):
-  from jax.experimental.compute_on import compute_on
-
-  @compute_on("device_host")
-  @jax.jit
-  def take(t, i):
-    return t.at[i].get(mode="promise_in_bounds")  # ids are valid tokens
-
-  rows = take(table, jax.device_put(idx, _memory("pinned_host")))
+  rows = _take_on_host(table, jax.device_put(idx, _memory("pinned_host")))
   return jax.device_put(rows, _memory("device"))
 
 

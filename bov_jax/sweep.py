@@ -36,6 +36,14 @@ def point(name: str, **overrides) -> dict:
   return {"name": name, "overrides": {k.replace("__", "."): v for k, v in overrides.items()}}
 
 
+def from_presets(base: str, rows, numbered: bool = False) -> dict:
+  """A sweep with one point per (name, model.value.preset) row."""
+  return {"base": base,
+          "points": [{"name": f"{i + 1:02d}_{name}" if numbered else name,
+                      "overrides": {"model.value.preset": preset}}
+                     for i, (name, preset) in enumerate(rows)]}
+
+
 def product(*axes) -> list[dict]:
   """Points from axes, each a list of (name, overrides) pairs: their Cartesian product."""
   out = []
@@ -87,10 +95,8 @@ def commands(sweep: dict, workdir_root: str, extra: list[str]) -> list[tuple[str
 
 
 def finished(workdir: str) -> bool:
-  """A run is finished when its metrics reach the step its own plan asked for."""
-  path = os.path.join(workdir, "metrics.jsonl")
-  done = os.path.join(workdir, "DONE")
-  return os.path.exists(done) and os.path.exists(path)
+  """A run is finished when the train loop wrote WORKDIR/DONE (after its last step)."""
+  return os.path.exists(os.path.join(workdir, "DONE"))
 
 
 def main(argv=None) -> int:

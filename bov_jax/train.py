@@ -85,6 +85,16 @@ def bits_per_byte(nats: float, n_bytes: float) -> float:
   return float(nats) / (LN2 * float(n_bytes))
 
 
+def init_params(cfg, mesh, key):
+  """(graphdef, params, shardings): parameters created already sharded, inside one jit."""
+  abstract = nnx.eval_shape(lambda: model_lib.build(cfg))
+  shardings = sharding.named(mesh, sharding.param_specs(nnx.state(abstract), mesh))
+  with jax.set_mesh(mesh):
+    params = jax.jit(lambda k: nnx.to_pure_dict(nnx.state(model_lib.init_model_eager(cfg, k))),
+                     out_shardings=shardings)(key)
+  return nnx.graphdef(abstract), params, shardings
+
+
 def micro_batch_rows(cfg, n_dev: int) -> int:
   """Rows per device per micro-batch: train.device_batch_size, or fewer when one
   step's batch is smaller than that many rows on every device."""
@@ -136,9 +146,6 @@ def log(msg: str) -> None:
 
 def setup(cfg, workdir: str | None) -> Run:
   config_lib.validate(cfg)
-  if cfg.data.tokenizer_vocab not in (0, cfg.model.vocab_size):
-    raise config_lib.ConfigError(
-        f"data.tokenizer_vocab={cfg.data.tokenizer_vocab} must be 0 or model.vocab_size")
   mesh = sharding.make_mesh(cfg)
   T = cfg.model.sequence_len
   n_dev, n_local = jax.device_count(), jax.local_device_count()
@@ -159,13 +166,7 @@ def setup(cfg, workdir: str | None) -> Run:
         return
 
   tok = tok_lib.load_or_train(workdir, tokenizer_texts, cfg.model.vocab_size)
-  abstract = nnx.state(nnx.eval_shape(lambda: model_lib.build(cfg)))
-  specs = sharding.param_specs(abstract, mesh)
-  shardings = sharding.named(mesh, specs)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_lib.build(cfg)))
-  with jax.set_mesh(mesh):
-    params = jax.jit(lambda k: nnx.to_pure_dict(nnx.state(model_lib.init_model_eager(cfg, k))),
-                     out_shardings=shardings)(jax.random.key(cfg.train.seed))
+  graphdef, params, shardings = init_params(cfg, mesh, jax.random.key(cfg.train.seed))
   counts = plan_lib.param_counts(cfg)
   fpt = 6 * counts["n_matmul"] + plan_lib.attention_flops(cfg)
   hp = plan_lib.hyperparams(cfg)

@@ -47,9 +47,6 @@ class ValueMode:
   def is_baseline(self) -> bool:
     return self.source == "residual" and self.combine == "replace"
 
-  def as_dict(self) -> dict:
-    return dataclasses.asdict(self)
-
 
 def _p(source, combine, coeff, layers="last_third", shared_table=False):
   return dict(source=source, combine=combine, coeff=coeff, layers=layers,

@@ -62,11 +62,7 @@ def test_table_lookup_matches_plain_gather(shape, impl):
 
 
 def _params_on(mesh, cfg, seed=0):
-  abstract = nnx.state(nnx.eval_shape(lambda: model_lib.build(cfg)))
-  shardings = sharding.named(mesh, sharding.param_specs(abstract, mesh))
-  with jax.set_mesh(mesh):
-    params = jax.jit(lambda k: nnx.to_pure_dict(nnx.state(model_lib.init_model_eager(cfg, k))),
-                     out_shardings=shardings)(jax.random.key(seed))
+  _, params, shardings = train.init_params(cfg, mesh, jax.random.key(seed))
   return params, shardings
 
 

@@ -1,4 +1,10 @@
 """Figure 5b of the paper: Bank of Values component ablations at d12."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bov_jax.sweep import from_presets  # noqa: E402
+
 
 ROWS = [
     ("bov", "gpt_base_v_from_value_emb_learn"),
@@ -11,6 +17,4 @@ ROWS = [
 
 
 def get_sweep():
-  return {"base": "configs/baseline_135m.py",
-          "points": [{"name": name, "overrides": {"model.value.preset": preset}}
-                     for name, preset in ROWS]}
+  return from_presets("configs/baseline_135m.py", ROWS)

@@ -1,4 +1,10 @@
 """Table 1 of the paper: the 13 value-vector variants at d12 (135M), 1.50e18 FLOPs each."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bov_jax.sweep import from_presets  # noqa: E402
+
 
 ROWS = [
     ("baseline", "gpt_base"),
@@ -18,7 +24,4 @@ ROWS = [
 
 
 def get_sweep():
-  return {"base": "configs/baseline_135m.py",
-          "points": [{"name": f"{i + 1:02d}_{name}",
-                      "overrides": {"model.value.preset": preset}}
-                     for i, (name, preset) in enumerate(ROWS)]}
+  return from_presets("configs/baseline_135m.py", ROWS, numbered=True)

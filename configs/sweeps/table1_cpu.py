@@ -6,11 +6,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from table1 import ROWS  # noqa: E402
+from table1 import ROWS, from_presets  # noqa: E402
 
 
 def get_sweep():
-  return {"base": "configs/tiny_budget.py",
-          "points": [{"name": f"{i + 1:02d}_{name}",
-                      "overrides": {"model.value.preset": preset}}
-                     for i, (name, preset) in enumerate(ROWS)]}
+  return from_presets("configs/tiny_budget.py", ROWS, numbered=True)

@@ -1,4 +1,10 @@
 """Table 2 of the paper: baseline, BoV, x0 W_v, V1 and V1 at every layer at d24 (780M)."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bov_jax.sweep import from_presets  # noqa: E402
+
 
 ROWS = [
     ("baseline", "gpt_base"),
@@ -10,6 +16,4 @@ ROWS = [
 
 
 def get_sweep():
-  return {"base": "configs/baseline_780m.py",
-          "points": [{"name": name, "overrides": {"model.value.preset": preset}}
-                     for name, preset in ROWS]}
+  return from_presets("configs/baseline_780m.py", ROWS)
