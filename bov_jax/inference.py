@@ -124,9 +124,10 @@ def forward_cached(model, idx_BT, cache):
   x0n = model_lib.rmsnorm(x)
   S = cache["k"][0].shape[1]
   kpos = jnp.broadcast_to(jnp.arange(S), (B, S))
+  cs = model_lib.rope(pos, model.blocks[0].attn.head_dim)
   v1_new = None
   for i, block in enumerate(model.blocks):
-    q, k, v = block.attn.qkv(model_lib.rmsnorm(x), pos, model.v_tilde(i, x0n, v1_new, idx_BT))
+    q, k, v = block.attn.qkv(model_lib.rmsnorm(x), cs, model.v_tilde(i, x0n, v1_new, idx_BT))
     if i == 0:
       v1_new = v
     cache["k"][i] = _write(cache["k"][i], k, start)

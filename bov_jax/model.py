@@ -36,13 +36,24 @@ def rmsnorm(x):
   return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
-def rotary(x_BTNE, pos_BT):
+def rope(pos_BT, E):
+  """cos and sin [B, T, 1, E/2] of the rotary embedding at these positions.
+
+  Computed once per forward pass, outside the layers. Given numpy positions
+  (training: 0..T-1) they are numpy constants: as traced values XLA's CPU
+  backend recomputed the cos/sin inside every fusion that read them, a third
+  of the rotary/QK-norm backward.
+  """
+  xp = np if isinstance(pos_BT, np.ndarray) else jnp
+  inv_freq = 1.0 / (ROPE_BASE ** (np.arange(0, E, 2, dtype=np.float32) / E))
+  angle = pos_BT.astype(np.float32)[..., None] * inv_freq  # [B, T, E/2]
+  return xp.cos(angle)[:, :, None, :], xp.sin(angle)[:, :, None, :]
+
+
+def rotary(x_BTNE, cos_sin):
   """Half-split rotary embedding: y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos."""
   E = x_BTNE.shape[-1]
-  inv_freq = 1.0 / (ROPE_BASE ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))
-  angle = pos_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, E/2]
-  cos = jnp.cos(angle)[:, :, None, :].astype(x_BTNE.dtype)
-  sin = jnp.sin(angle)[:, :, None, :].astype(x_BTNE.dtype)
+  cos, sin = (c.astype(x_BTNE.dtype) for c in cos_sin)
   x1, x2 = x_BTNE[..., : E // 2], x_BTNE[..., E // 2:]
   return jnp.concatenate([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], axis=-1)
 
@@ -119,8 +130,10 @@ class Attention(nnx.Module):
     B, T, _ = x_BTD.shape
     return mm(x_BTD, self.wv[...]).reshape(B, T, self.n_kv_head, self.head_dim)
 
-  def qkv(self, x_BTD, pos_BT, v_tilde_BTKE=None):
-    """Queries, keys and values of the new positions (rotary and QK-norm applied)."""
+  def qkv(self, x_BTD, rope_cs, v_tilde_BTKE=None):
+    """Queries, keys and values of the new positions (rotary and QK-norm applied).
+
+    rope_cs: (cos, sin) of the positions, from `rope`."""
     B, T, _ = x_BTD.shape
     H, K, E = self.n_head, self.n_kv_head, self.head_dim
     dt = x_BTD.dtype
@@ -131,8 +144,8 @@ class Attention(nnx.Module):
     q = qkv[..., :H * E].reshape(B, T, H, E)
     k = qkv[..., H * E:(H + K) * E].reshape(B, T, K, E)
     v = qkv[..., (H + K) * E:].reshape(B, T, K, E) if self.lv.uses_v else None
-    q = rmsnorm(rotary(q, pos_BT)) * QK_NORM_SCALE
-    k = rmsnorm(rotary(k, pos_BT)) * QK_NORM_SCALE
+    q = rmsnorm(rotary(q, rope_cs)) * QK_NORM_SCALE
+    k = rmsnorm(rotary(k, rope_cs)) * QK_NORM_SCALE
     coeffs = {n: p[...] for n, p in self.coeffs.items()}
     v = values.combine(self.lv, v, v_tilde_BTKE, coeffs, gate_input=x_BTD,
                        gate_w=None if self.gate is None else self.gate[...])
@@ -229,13 +242,13 @@ class GPT(nnx.Module):
     being the ones attended over (after the value mode's combination).
     """
     B, T = idx_BT.shape
-    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    cs = rope(np.arange(T)[None], self.blocks[0].attn.head_dim)
     x, _ = self.embed(idx_BT)
     x0n = rmsnorm(x)
     v1 = None
     kvs = []
     for i, block in enumerate(self.blocks):
-      q, k, v = block.attn.qkv(rmsnorm(x), pos, self.v_tilde(i, x0n, v1, idx_BT))
+      q, k, v = block.attn.qkv(rmsnorm(x), cs, self.v_tilde(i, x0n, v1, idx_BT))
       if i == 0:
         v1 = v
       if return_kv:
