@@ -20,6 +20,7 @@ class ConfigError(ValueError):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "dots", "dots_no_batch", "full")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -39,6 +40,8 @@ def base_config() -> ml_collections.ConfigDict:
   m.loss_chunk = 0            # rows per cross-entropy chunk (losses.py); 0: 256 on CPU
                               # (cache-sized chunks measured fastest), 2048 elsewhere
   m.table_lookup = "auto"     # auto | shard_map | gather | one_hot (see sharding.py)
+  m.remat = "none"            # none | dots | dots_no_batch | full: what each layer's
+                              # backward recomputes instead of storing (model.REMAT)
   m.value = v = ml_collections.ConfigDict()
   v.preset = ""               # a reference model_type name; sets the four below
   v.source = config_dict.placeholder(str)    # residual | x0 | v1 | table
@@ -161,6 +164,8 @@ def validate(cfg) -> values.ValueMode:
   if not pattern or set(pattern) - {"S", "L"}:
     raise ConfigError(
         f"model.window_pattern={m.window_pattern!r}: expected a string of S and L such as 'SSSL'")
+  if m.remat not in REMAT_POLICIES:
+    raise ConfigError(f"model.remat={m.remat!r}: expected one of {', '.join(REMAT_POLICIES)}")
   if m.loss_chunk < 0:
     raise ConfigError(f"model.loss_chunk={m.loss_chunk}: expected >= 0 (0 = by backend)")
   if m.short_window < 0:

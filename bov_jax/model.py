@@ -27,6 +27,13 @@ SMEAR_CHANNELS = 24
 QK_NORM_SCALE = 1.2
 ROPE_BASE = 100000.0
 SOFTCAP = 15.0
+# model.remat: what a layer keeps for its backward; the rest is recomputed.
+REMAT = {
+    "full": None,  # only the layer's inputs
+    "dots": jax.checkpoint_policies.dots_saveable,  # every matmul output
+    # projections, but not the attention scores/probabilities ([B, N, T, S] each)
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def rmsnorm(x):
@@ -184,6 +191,7 @@ class GPT(nnx.Module):
     self.vocab_size = m.vocab_size
     self.compute_dtype = jnp.dtype(m.dtype)
     self.table_lookup = m.table_lookup
+    self.remat = m.remat
     self.loss_chunk = m.loss_chunk or (256 if jax.default_backend() == "cpu" else 2048)
     Vp = values.padded_vocab(m.vocab_size)
     D = m.n_embd
@@ -248,13 +256,19 @@ class GPT(nnx.Module):
     v1 = None
     kvs = []
     for i, block in enumerate(self.blocks):
-      q, k, v = block.attn.qkv(rmsnorm(x), cs, self.v_tilde(i, x0n, v1, idx_BT))
+
+      def layer(x, v_tilde, block=block):
+        q, k, v = block.attn.qkv(rmsnorm(x), cs, v_tilde)
+        x = x + block.attn.output(self_attend(q, k, v, block.attn.window))
+        return x + block.mlp(rmsnorm(x)), (k, v)
+
+      if self.remat != "none":
+        layer = jax.checkpoint(layer, policy=REMAT[self.remat])
+      x, (k, v) = layer(x, self.v_tilde(i, x0n, v1, idx_BT))
       if i == 0:
         v1 = v
       if return_kv:
         kvs.append((k, v))
-      x = x + block.attn.output(self_attend(q, k, v, block.attn.window))
-      x = x + block.mlp(rmsnorm(x))
     return (rmsnorm(x), kvs) if return_kv else rmsnorm(x)
 
   def logits(self, h_BTD):

@@ -70,6 +70,7 @@ def test_contradictions_are_named(settings, message):
     ("window_pattern", "SSXL", r"model\.window_pattern='SSXL'"),
     ("dtype", "float64", r"model\.dtype='float64'"),
     ("n_layer", 0, r"model\.n_layer=0"),
+    ("remat", "some", r"model\.remat='some': expected one of none, dots, dots_no_batch, full"),
 ])
 def test_bad_model_settings_are_named(field, value, message):
   c = small_config("gpt_base")

@@ -203,3 +203,25 @@ def test_bf16_compute_keeps_fp32_master_weights():
   assert out.dtype == jnp.float32 and np.all(np.isfinite(np.asarray(out)))
   ref = model_lib.init_model(small_config("gpt_base_v_from_value_emb_learn"), jax.random.key(0))
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref(_idx())), atol=5e-2)
+
+
+@pytest.mark.parametrize("preset", ["gpt_base", "gpt_base_v_from_value_emb_learn",
+                                    "gpt_base_v_from_v1_learn"])
+def test_remat_policies_recompute_and_keep_gradients(preset):
+  """model.remat changes what the backward recomputes (more matmuls in the
+  compiled program: `dots` keeps every matmul output, `dots_no_batch` recomputes
+  the attention scores, `full` the whole layer), never the gradients."""
+  idx = _idx(T=33, B=2)
+  grads, n_dots = {}, {}
+  for policy in ("none", "dots", "dots_no_batch", "full"):
+    m = _perturbed(small_config(preset, remat=policy))
+    graphdef, state = nnx.split(m)
+    params = nnx.to_pure_dict(state)
+    f = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p).loss(idx[:, :-1], idx[:, 1:])))
+    grads[policy] = f(params)
+    hlo = f.lower(params).compile().as_text()
+    n_dots[policy] = hlo.count(" dot(")
+  assert n_dots["dots"] == n_dots["none"] < n_dots["dots_no_batch"] < n_dots["full"], n_dots
+  for policy in ("dots", "dots_no_batch", "full"):
+    for a, b in zip(jax.tree.leaves(grads[policy]), jax.tree.leaves(grads["none"])):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
