@@ -73,6 +73,8 @@ def base_config() -> ml_collections.ConfigDict:
   o.warmdown_ratio = 0.65
   o.final_lr_frac = 0.05
   o.muon_batched = "auto"     # batch Polar Express over same-shaped matrices: auto|true|false
+  o.polar_dtype = "auto"      # Polar Express matmul dtype: auto (bfloat16 on GPU/TPU as in
+                              # the reference, float32 on CPU) | float32 | bfloat16
 
   c.data = d = ml_collections.ConfigDict()
   d.corpus = "embedded"       # embedded | a path (text, JSONL, Parquet) or glob
@@ -182,6 +184,9 @@ def validate(cfg) -> values.ValueMode:
     raise ConfigError(
         f"model.value.combine='gated_add' reads {values.GATE_CHANNELS} channels; "
         f"model.n_embd={m.n_embd} is smaller")
+  if cfg.optim.polar_dtype not in ("auto", "float32", "bfloat16"):
+    raise ConfigError(f"optim.polar_dtype={cfg.optim.polar_dtype!r}: expected auto, float32 "
+                      "or bfloat16")
   if cfg.optim.muon_batched not in ("auto", "true", "false"):
     raise ConfigError(f"optim.muon_batched={cfg.optim.muon_batched!r}: expected auto, true or false")
   t = cfg.train

@@ -7,6 +7,7 @@ an optax GradientTransformation; the groups are combined with `optax.partition`.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -64,9 +65,11 @@ class MuonState(NamedTuple):
   second: Any
 
 
-def polar_express(u):
-  """Approximate orthogonalisation (polar factor) of a matrix, 5 Polar Express steps."""
-  x = u / (jnp.linalg.norm(u) * 1.01 + 1e-6)
+def polar_express(u, dtype=jnp.float32):
+  """Approximate orthogonalisation (polar factor) of a matrix, 5 Polar Express steps,
+  computed in `dtype` (the reference uses bfloat16; returned as float32)."""
+  x = u.astype(dtype)
+  x = x / (jnp.linalg.norm(x.astype(jnp.float32)).astype(dtype) * 1.01 + 1e-6)
   # Iterate on the smaller Gram matrix. For a tall matrix this is the transposed
   # iteration written without transposes (X^T X is symmetric): transposing X
   # and back cost XLA's CPU backend a layout copy per step, ~10% of the train step.
@@ -78,7 +81,7 @@ def polar_express(u):
     else:
       gram = x @ x.T
       x = a * x + (b * gram + c * gram @ gram) @ x
-  return x
+  return x.astype(jnp.float32)
 
 
 def _reduce_axis(shape) -> int:
@@ -93,12 +96,12 @@ def _second_shape(shape):
   return (1, shape[1]) if axis == 0 else (shape[0], 1)
 
 
-def muon_direction(g, buf, buf2, momentum):
+def muon_direction(g, buf, buf2, momentum, polar_dtype=jnp.float32):
   """One matrix's Muon direction and new buffers (steps 1-3 of SPEC section 4)."""
   g = g.astype(jnp.float32)
   buf = momentum * buf + (1 - momentum) * g
   u = (1 - momentum) * g + momentum * buf
-  x = polar_express(u)
+  x = polar_express(u, polar_dtype)
   axis = _reduce_axis(x.shape)
   n_red = x.shape[axis]
   v = jnp.mean(x * x, axis=axis, keepdims=True)
@@ -110,14 +113,16 @@ def muon_direction(g, buf, buf2, momentum):
   return x, buf, buf2
 
 
-def muon(learning_rate, momentum, weight_decay, batched: bool = True
-         ) -> optax.GradientTransformation:
+def muon(learning_rate, momentum, weight_decay, batched: bool = True,
+         polar_dtype=jnp.float32) -> optax.GradientTransformation:
   """The reference's Muon. learning_rate, momentum, weight_decay: step -> value.
 
   batched: matrices of one shape go through Polar Express together, one
   batched matmul per step (faster on accelerators; on CPU, one matrix at a
   time measured faster, see docs/performance.md).
+  polar_dtype: the Polar Express matmuls' dtype (the reference: bfloat16).
   """
+  direction = functools.partial(muon_direction, polar_dtype=polar_dtype)
 
   def init(params):
     return MuonState(
@@ -140,10 +145,10 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True
     upd, bufs, bufs2 = [None] * len(g_leaves), [None] * len(g_leaves), [None] * len(g_leaves)
     for ks in by_shape.values():
       if len(ks) == 1:
-        x, b, b2 = jax.tree.map(lambda a: a[None], muon_direction(
+        x, b, b2 = jax.tree.map(lambda a: a[None], direction(
             g_leaves[ks[0]], b_leaves[ks[0]], s_leaves[ks[0]], m))
       else:
-        x, b, b2 = jax.vmap(muon_direction, in_axes=(0, 0, 0, None))(
+        x, b, b2 = jax.vmap(direction, in_axes=(0, 0, 0, None))(
             jnp.stack([g_leaves[k] for k in ks]), jnp.stack([b_leaves[k] for k in ks]),
             jnp.stack([s_leaves[k] for k in ks]), m)
       fan_in, fan_out = g_leaves[ks[0]].shape
@@ -204,6 +209,15 @@ def hyperparams(cfg, scaling_params: int, ref_scaling_params: int) -> dict:
   }
 
 
+def polar_dtype(cfg) -> str:
+  """optim.polar_dtype, with auto resolved: bfloat16 (the reference's) where the
+  matrix units run it at full rate, float32 on CPU (XLA's CPU bf16 matmuls are
+  slower than its fp32 ones)."""
+  if cfg.optim.polar_dtype != "auto":
+    return cfg.optim.polar_dtype
+  return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
 def make(cfg, num_iterations: int, hp: dict) -> optax.GradientTransformation:
   o = cfg.optim
   mult = lambda it: lr_multiplier(it, num_iterations, o.warmup_steps, o.warmdown_ratio,
@@ -217,5 +231,6 @@ def make(cfg, num_iterations: int, hp: dict) -> optax.GradientTransformation:
       momentum=lambda it: muon_momentum(it, num_iterations, o.warmdown_ratio),
       weight_decay=lambda it: muon_weight_decay(it, num_iterations, hp["muon_weight_decay"]),
       batched=(jax.default_backend() != "cpu") if o.muon_batched == "auto"
-      else o.muon_batched == "true")
+      else o.muon_batched == "true",
+      polar_dtype=jnp.dtype(polar_dtype(cfg)))
   return optax.partition(groups, labels)
