@@ -163,4 +163,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from bov_jax import hostmem
+  hostmem.reexec_with_huge_pages()  # as bov_jax.main does: see hostmem.py
   app.run(main)

@@ -77,4 +77,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from bov_jax import hostmem
+  hostmem.reexec_with_huge_pages()  # before jax starts: see hostmem.py
   app.run(main)

@@ -1,0 +1,34 @@
+"""hostmem: the entry points re-execute once with glibc's huge-page tunable set."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bov_jax import hostmem
+
+PROBE = ("import os; from bov_jax import hostmem; hostmem.reexec_with_huge_pages(); "
+         "print('TUNABLES=' + os.environ.get('GLIBC_TUNABLES', ''))")
+
+
+def _run(env):
+  out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                       timeout=60, env=env)
+  assert out.returncode == 0, out.stderr
+  return [l for l in out.stdout.splitlines() if l.startswith("TUNABLES=")]
+
+
+@pytest.mark.skipif(not hostmem.wanted({"PATH": ""}), reason="no transparent huge pages here")
+def test_reexec_sets_the_tunable_once_and_keeps_others():
+  env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.arena_max=2")
+  env.pop("BOV_HUGEPAGES", None)
+  lines = _run(env)
+  assert lines == ["TUNABLES=glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"]
+
+
+def test_opt_out_and_already_set_do_not_reexec():
+  env = dict(os.environ, BOV_HUGEPAGES="0")
+  env.pop("GLIBC_TUNABLES", None)
+  assert _run(env) == ["TUNABLES="]
+  assert not hostmem.wanted({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
+  assert hostmem.environ_with_tunable({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
