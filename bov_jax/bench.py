@@ -4,7 +4,8 @@
   python -m bov_jax.bench decode --config=FILE --contexts=256,1024 [--batch=B] [--json]
 
 `train` compiles the real train step once (random tokens, the config's
-optimizer and accumulation), times warm steps and reports the median.
+optimizer and accumulation), times warm steps and reports the median; with
+--reference=torch the PyTorch transcription's steps alternate with ours in blocks.
 `decode` builds the baseline (gpt_base) and the config's value mode at each
 context length and reports the cache's allocated bytes and decode throughput.
 """
@@ -37,7 +38,9 @@ def _emit(obj, as_json):
   print(json.dumps(obj) if as_json else "  ".join(f"{k}={v}" for k, v in obj.items()), flush=True)
 
 
-def bench_train(cfg, steps: int, warmup: int) -> dict:
+def train_stepper(cfg):
+  """(run, record): run() does one step of the real compiled train step on random
+  tokens (the config's optimizer and accumulation) and returns its seconds."""
   from bov_jax import config as config_lib
   from bov_jax import optim
   from bov_jax import plan
@@ -52,8 +55,7 @@ def bench_train(cfg, steps: int, warmup: int) -> dict:
   graphdef, params, _ = train.init_params(cfg, mesh, jax.random.key(0))
   counts = plan.param_counts(cfg)
   fpt = 6 * counts["n_matmul"] + plan.attention_flops(cfg)
-  hp = plan.hyperparams(cfg)
-  tx = optim.make(cfg, 1000, hp)
+  tx = optim.make(cfg, 1000, plan.hyperparams(cfg))
   with jax.set_mesh(mesh):
     opt_state = jax.jit(tx.init)(params)
     bsh = sharding.batch_sharding(mesh, leading_dims=2)
@@ -62,26 +64,56 @@ def bench_train(cfg, steps: int, warmup: int) -> dict:
     x = jax.device_put(tokens[..., :-1], bsh)
     y = jax.device_put(tokens[..., 1:], bsh)
     step = jax.jit(train.make_train_step(graphdef, tx), donate_argnums=(0, 1))
-    t0 = time.perf_counter()
-    params, opt_state, out = step(params, opt_state, x, y)
-    jax.block_until_ready(out)
-    compile_s = time.perf_counter() - t0
-    for _ in range(warmup):
-      params, opt_state, out = step(params, opt_state, x, y)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(steps):
+  state = [params, opt_state]
+
+  def run() -> float:
+    with jax.set_mesh(mesh):
       t = time.perf_counter()
-      params, opt_state, out = step(params, opt_state, x, y)
+      state[0], state[1], out = step(state[0], state[1], x, y)
       jax.block_until_ready(out)
-      times.append(time.perf_counter() - t)
-  dt = statistics.median(times)
-  tps = cfg.train.batch_tokens / dt
+      return time.perf_counter() - t
+
+  compile_s = run()
   peak = plan.peak_flops() * n_dev
-  return {"bench": "train", "preset": config_lib.value_mode(cfg).preset, "devices": n_dev,
-          "platform": jax.devices()[0].platform, "tokens_per_step": cfg.train.batch_tokens,
-          "step_s": dt, "compile_s": compile_s, "tokens_per_s": tps, "flops_per_token": fpt,
-          "achieved_flops": tps * fpt, "peak_flops": peak, "mfu": tps * fpt / peak}
+  return run, {"bench": "train", "preset": config_lib.value_mode(cfg).preset, "devices": n_dev,
+               "platform": jax.devices()[0].platform,
+               "tokens_per_step": cfg.train.batch_tokens, "compile_s": compile_s,
+               "flops_per_token": fpt, "peak_flops": peak}
+
+
+def time_interleaved(runs: dict, steps: int, warmup: int, block: int = 5) -> dict:
+  """Median seconds of each run() over `steps` timed steps. The runs take turns in
+  blocks of `block` steps, each block after one untimed step: a noisy host's slow
+  minutes fall on all of them alike, and each is timed in its own steady state
+  (caches and allocator warm from its own previous step, not the other's)."""
+  for _ in range(warmup):
+    for run in runs.values():
+      run()
+  times = {name: [] for name in runs}
+  while any(len(ts) < steps for ts in times.values()):
+    for name, run in runs.items():
+      run()
+      times[name] += [run() for _ in range(min(block, steps - len(times[name])))]
+  return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def bench_train(cfg, steps: int, warmup: int, reference: str | None = None) -> list[dict]:
+  """The train record (last), after the reference's record when one is asked for."""
+  run, rec = train_stepper(cfg)
+  runs = {"bov_jax": run}
+  if reference == "torch":
+    from bov_jax import torch_reference  # imports torch
+    runs["torch"], ref = torch_reference.make_step(cfg)
+  dt = time_interleaved(runs, steps, warmup)
+  tps = cfg.train.batch_tokens / dt["bov_jax"]
+  rec.update(step_s=dt["bov_jax"], tokens_per_s=tps, achieved_flops=tps * rec["flops_per_token"],
+             mfu=tps * rec["flops_per_token"] / rec["peak_flops"])
+  if reference is None:
+    return [rec]
+  ref.update(step_s=dt["torch"], tokens_per_s=ref["tokens_per_step"] / dt["torch"])
+  rec.update(reference_tokens_per_s=ref["tokens_per_s"],
+             speedup_vs_reference=rec["tokens_per_s"] / ref["tokens_per_s"])
+  return [ref, rec]
 
 
 def bench_decode(cfg, contexts, batch: int, steps: int) -> list[dict]:
@@ -147,14 +179,8 @@ def main(argv):
   if _CONFIG.value is None:
     raise app.UsageError("--config=FILE is required")
   if argv[1] == "train":
-    ours = bench_train(_CONFIG.value, _STEPS.value, _WARMUP.value)
-    if _REFERENCE.value == "torch":
-      from bov_jax import torch_reference  # imports torch
-      ref = torch_reference.bench(_CONFIG.value, _STEPS.value, _WARMUP.value)
-      _emit(ref, _JSON.value)
-      ours["reference_tokens_per_s"] = ref["tokens_per_s"]
-      ours["speedup_vs_reference"] = ours["tokens_per_s"] / ref["tokens_per_s"]
-    _emit(ours, _JSON.value)
+    for rec in bench_train(_CONFIG.value, _STEPS.value, _WARMUP.value, _REFERENCE.value):
+      _emit(rec, _JSON.value)
   else:
     contexts = [int(c) for c in _CONTEXTS.value.split(",") if c.strip()]
     for rec in bench_decode(_CONFIG.value, contexts, _BATCH.value, _STEPS.value):

@@ -181,9 +181,9 @@ def make_optimizers(model: GPT):
   return [adam, Muon(matrices, lr=0.02, momentum=0.95, weight_decay=0.28)]
 
 
-def bench(cfg, steps: int, warmup: int) -> dict:
-  """Tokens per second of the PyTorch step (forward, backward, both optimizers)."""
-  import statistics
+def make_step(cfg):
+  """(run, record): run() does one PyTorch step (forward, backward, both optimizers)
+  on random tokens and returns its seconds; timed by bov_jax.bench."""
   import time
   from bov_jax import config as config_lib
   from bov_jax import values
@@ -198,22 +198,16 @@ def bench(cfg, steps: int, warmup: int) -> dict:
   accum = max(1, cfg.train.batch_tokens // (B * T))
   data = torch.randint(0, cfg.model.vocab_size, (accum, B, T + 1))
 
-  def step():
+  def run() -> float:
+    t = time.perf_counter()
     for a in range(accum):
       loss = model(data[a, :, :-1], data[a, :, 1:]) / accum
       loss.backward()
     for o in opts:
       o.step()
     model.zero_grad(set_to_none=True)
+    return time.perf_counter() - t
 
-  for _ in range(warmup):
-    step()
-  times = []
-  for _ in range(steps):
-    t = time.perf_counter()
-    step()
-    times.append(time.perf_counter() - t)
-  dt = statistics.median(times)
-  return {"bench": "train_torch_reference", "preset": mode.preset, "torch": torch.__version__,
-          "threads": torch.get_num_threads(), "step_s": dt,
-          "tokens_per_s": accum * B * T / dt}
+  return run, {"bench": "train_torch_reference", "preset": mode.preset,
+               "torch": torch.__version__, "threads": torch.get_num_threads(),
+               "tokens_per_step": accum * B * T}

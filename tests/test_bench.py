@@ -42,3 +42,15 @@ def test_bench_train_fields():
     assert rec[k] > 0
   assert abs(rec["achieved_flops"] - rec["tokens_per_s"] * rec["flops_per_token"]) < 1e-6 * rec[
       "achieved_flops"]
+
+
+def test_bench_train_against_the_torch_transcription():
+  """--reference=torch (torch is optional: skipped where it is not installed)."""
+  import pytest
+  pytest.importorskip("torch")
+  ref, rec = _bench("train", *SMALL, "--steps=2", "--warmup=1", "--reference=torch",
+                    "--config.train.batch_tokens=1024", "--config.train.device_batch_size=8")
+  assert ref["bench"] == "train_torch_reference" and rec["bench"] == "train"
+  assert ref["preset"] == rec["preset"] == "gpt_base_v_from_value_emb_learn"
+  assert ref["tokens_per_step"] == rec["tokens_per_step"] == 1024
+  assert rec["speedup_vs_reference"] == rec["tokens_per_s"] / ref["tokens_per_s"]
