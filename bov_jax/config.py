@@ -40,6 +40,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.loss_chunk = 0            # rows per cross-entropy chunk (losses.py); 0: 256 on CPU
                               # (cache-sized chunks measured fastest), 2048 elsewhere
   m.table_lookup = "auto"     # auto | shard_map | gather | one_hot (see sharding.py)
+  m.attention = "auto"        # auto | xla | splash (see attention.py)
   m.remat = "none"            # none | dots | dots_no_batch | full: what each layer's
                               # backward recomputes instead of storing (model.REMAT)
   m.value = v = ml_collections.ConfigDict()
@@ -166,6 +167,11 @@ def validate(cfg) -> values.ValueMode:
   if not pattern or set(pattern) - {"S", "L"}:
     raise ConfigError(
         f"model.window_pattern={m.window_pattern!r}: expected a string of S and L such as 'SSSL'")
+  if m.attention not in ("auto", "xla", "splash"):
+    raise ConfigError(f"model.attention={m.attention!r}: expected one of auto, xla, splash")
+  if m.attention == "splash" and m.sequence_len % 128:
+    raise ConfigError(f"model.attention='splash' needs model.sequence_len to be a multiple of "
+                      f"128 (Splash's block rows); got {m.sequence_len}")
   if m.remat not in REMAT_POLICIES:
     raise ConfigError(f"model.remat={m.remat!r}: expected one of {', '.join(REMAT_POLICIES)}")
   if m.loss_chunk < 0:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bov_jax import attention
 from bov_jax import config as config_lib
 from bov_jax import losses
 from bov_jax import sharding
@@ -90,19 +91,6 @@ class _FrozenDict(dict):
 
   def __hash__(self):
     return hash(tuple(sorted(self.items())))
-
-
-def self_attend(q_BTHE, k_BTKE, v_BTKE, window):
-  """Causal sliding-window attention of a sequence over itself (training, prefill).
-
-  jax.nn.dot_product_attention picks the backend's fused kernel where one
-  exists (cuDNN flash attention on GPU) and XLA elsewhere; it takes GQA and
-  the sliding window (query i sees keys i - window .. i) directly.
-  """
-  B, T, H, E = q_BTHE.shape
-  out = jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True,
-                                     local_window_size=(window, 0))
-  return out.reshape(B, T, H * E)
 
 
 def mm(x, w):
@@ -192,6 +180,7 @@ class GPT(nnx.Module):
     self.compute_dtype = jnp.dtype(m.dtype)
     self.table_lookup = m.table_lookup
     self.remat = m.remat
+    self.attention = m.attention
     self.loss_chunk = m.loss_chunk or (256 if jax.default_backend() == "cpu" else 2048)
     Vp = values.padded_vocab(m.vocab_size)
     D = m.n_embd
@@ -259,7 +248,8 @@ class GPT(nnx.Module):
 
       def layer(x, v_tilde, block=block):
         q, k, v = block.attn.qkv(rmsnorm(x), cs, v_tilde)
-        x = x + block.attn.output(self_attend(q, k, v, block.attn.window))
+        y = attention.self_attend(q, k, v, block.attn.window, self.attention)
+        x = x + block.attn.output(y)
         return x + block.mlp(rmsnorm(x)), (k, v)
 
       if self.remat != "none":

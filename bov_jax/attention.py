@@ -1,0 +1,93 @@
+"""Causal sliding-window GQA attention of a sequence over itself (training, prefill).
+
+`model.attention` picks the kernel:
+  auto    Splash attention on TPU (when the sequence fits its 128-row blocks),
+          jax.nn.dot_product_attention elsewhere
+  xla     jax.nn.dot_product_attention: cuDNN flash attention on GPU where it
+          applies, XLA otherwise
+  splash  the Pallas Splash attention kernel. Off TPU it runs in the Pallas
+          interpreter: slow, for tests that check it against `xla`.
+
+Query i sees keys i - window .. i. Splash takes one sequence and one kv head
+at a time (its MQA form, the kv head's G query heads together), so it is
+vmapped over batch and kv heads, and under a mesh it runs per shard
+(`shard_map`: batch over the batch axes, kv heads over `tensor`), since a
+Pallas call is not partitioned automatically.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+IMPLS = ("auto", "xla", "splash")
+SPLASH_BLOCK = 128  # Splash's sequence blocks are multiples of 128 rows
+
+
+def splash_fits(seq_len: int) -> bool:
+  return seq_len % SPLASH_BLOCK == 0
+
+
+def resolve(impl: str, seq_len: int) -> str:
+  """The kernel used for this length: sequences that do not fill Splash's blocks
+  (short evaluation buckets) take `xla` whatever the setting."""
+  if impl == "xla" or not splash_fits(seq_len):
+    return "xla"
+  if impl == "auto":
+    return "splash" if jax.default_backend() == "tpu" else "xla"
+  return impl
+
+
+def self_attend(q_BTHE, k_BTKE, v_BTKE, window: int, impl: str = "auto"):
+  """Attention output [B, T, H * E]."""
+  B, T, H, E = q_BTHE.shape
+  if resolve(impl, T) == "xla":
+    out = jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True,
+                                       local_window_size=(window, 0))
+    return out.reshape(B, T, H * E)
+  return _splash_sharded(q_BTHE, k_BTKE, v_BTKE, window)
+
+
+@functools.lru_cache(maxsize=None)
+def _splash_kernel(seq_len: int, window: int, group: int, interpret: bool):
+  from jax.experimental.pallas.ops.tpu import splash_attention as sa
+  # Built from numpy masks once per shape; the kernel skips blocks the mask empties.
+  mask = sa.MultiHeadMask([sa.LocalMask((seq_len, seq_len), (min(window, seq_len), 0), offset=0)
+                           for _ in range(group)])
+  block = math.gcd(seq_len, 512)
+  sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                        block_q_dq=block, block_kv_dq=block)
+  return sa.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                            interpret=interpret)
+
+
+def _splash(q_BTHE, k_BTKE, v_BTKE, window: int):
+  B, T, H, E = q_BTHE.shape
+  K = k_BTKE.shape[2]
+  kernel = _splash_kernel(T, window, H // K, jax.default_backend() != "tpu")
+  q = (q_BTHE / np.sqrt(E).astype(q_BTHE.dtype)).reshape(B, T, K, H // K, E)
+  q_BKGTE = q.transpose(0, 2, 3, 1, 4)
+  k_BKTE, v_BKTE = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3)
+  out_BKGTE = jax.vmap(jax.vmap(kernel))(q_BKGTE, k_BKTE, v_BKTE)
+  return out_BKGTE.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
+
+
+def _splash_sharded(q_BTHE, k_BTKE, v_BTKE, window: int):
+  from bov_jax import sharding  # the mesh axis names
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return _splash(q_BTHE, k_BTKE, v_BTKE, window)
+  B, K = q_BTHE.shape[0], k_BTKE.shape[2]
+  batch = tuple(a for a in sharding.BATCH_AXES if mesh.shape[a] > 1)
+  if B % math.prod(mesh.shape[a] for a in batch):
+    batch = ()
+  heads = "tensor" if mesh.shape["tensor"] > 1 and K % mesh.shape["tensor"] == 0 else None
+  spec = P(batch or None, None, heads, None)
+  return jax.shard_map(functools.partial(_splash, window=window), mesh=mesh,
+                       in_specs=(spec, spec, spec), out_specs=P(batch or None, None, heads),
+                       check_vma=False)(q_BTHE, k_BTKE, v_BTKE)

@@ -1,0 +1,72 @@
+"""attention.py: the Splash kernel (Pallas interpreter on CPU) against jax.nn's attention."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from bov_jax import attention
+from bov_jax import config as config_lib
+from bov_jax import model as model_lib
+from tests.helpers import small_config
+
+
+def _qkv(B=1, T=256, H=4, K=2, E=128, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  return tuple(jax.random.normal(k, (B, T, n, E)) for k, n in zip(keys, (H, K, K)))
+
+
+def _loss(impl, window):
+  return lambda q, k, v: jnp.sum(jnp.sin(attention.self_attend(q, k, v, window, impl)))
+
+
+@pytest.mark.parametrize("window", [64, 256])
+def test_splash_equals_xla_forward_and_gradients(window):
+  q, k, v = _qkv()
+  a = attention.self_attend(q, k, v, window, "splash")
+  b = attention.self_attend(q, k, v, window, "xla")
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+  ga = jax.grad(_loss("splash", window), argnums=(0, 1, 2))(q, k, v)
+  gb = jax.grad(_loss("xla", window), argnums=(0, 1, 2))(q, k, v)
+  for x, y in zip(ga, gb):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=5e-5)
+
+
+def test_splash_runs_per_shard_on_a_mesh():
+  """Batch over data x fsdp, kv heads over tensor: same output and gradients."""
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  q, k, v = _qkv(B=4)
+  want = attention.self_attend(q, k, v, 64, "xla")
+  gwant = jax.grad(_loss("xla", 64))(q, k, v)
+  with jax.set_mesh(mesh):
+    spec = NamedSharding(mesh, P(("data", "fsdp"), None, "tensor", None))
+    qs, ks, vs = (jax.device_put(x, spec) for x in (q, k, v))
+    got = jax.jit(lambda *a: attention.self_attend(*a, 64, "splash"))(qs, ks, vs)
+    ggot = jax.jit(jax.grad(_loss("splash", 64)))(qs, ks, vs)
+    hlo = jax.jit(lambda *a: attention.self_attend(*a, 64, "splash")).lower(qs, ks, vs).as_text()
+  assert "shard_map" in hlo or "sdy.manual_computation" in hlo
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+  np.testing.assert_allclose(np.asarray(ggot), np.asarray(gwant), atol=5e-5)
+
+
+def test_model_with_splash_matches_xla_and_short_sequences_fall_back():
+  idx = jnp.asarray(np.random.default_rng(0).integers(0, 100, (2, 129)), jnp.int32)
+  losses = []
+  for impl in ("splash", "xla"):
+    m = model_lib.init_model(small_config(sequence_len=128, attention=impl, n_head=2,
+                                          n_kv_head=1, n_embd=256), jax.random.key(0))
+    losses.append(float(m.loss(idx[:, :-1], idx[:, 1:])))
+  np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+  assert attention.resolve("splash", 64) == "xla"      # an evaluation bucket
+  assert attention.resolve("splash", 256) == "splash"
+  assert attention.resolve("auto", 256) == ("splash" if jax.default_backend() == "tpu" else "xla")
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(attention="flash"), r"model\.attention='flash': expected one of auto, xla, splash"),
+    (dict(attention="splash", sequence_len=100), r"multiple of 128.*got 100"),
+])
+def test_bad_attention_settings_are_named(settings, message):
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.validate(small_config(**settings))
