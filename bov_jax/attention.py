@@ -62,8 +62,11 @@ def _splash_kernel(seq_len: int, window: int, group: int, interpret: bool):
   sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                         block_q_dq=block, block_kv_dq=block)
-  return sa.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                            interpret=interpret)
+  # Concrete mask tables even when first built inside a trace: the kernel is
+  # cached and reused by later traces (a tracer kept here would leak).
+  with jax.ensure_compile_time_eval():
+    return sa.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                              interpret=interpret)
 
 
 def _splash(q_BTHE, k_BTKE, v_BTKE, window: int):
