@@ -75,30 +75,11 @@ def test_bad_attention_settings_are_named(settings, message):
 def test_train_step_with_splash_on_a_mesh_equals_one_device():
   """The whole step (accumulation scan, value tables) with Splash inside: 2x2x2 mesh
   against one device (a kernel cached from one trace must not leak into the next)."""
-  import optax
-  from flax import nnx
-  from bov_jax import sharding, train
-  from tests.test_sharding import _mesh, _params_on, _perturb
+  from tests.test_sharding import sgd_step_on_mesh_and_one_device
   cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=120, sequence_len=128,
                      n_embd=256, n_head=2, n_kv_head=2, n_layer=3, attention="splash")
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_lib.build(cfg)))
-  tx = optax.sgd(1.0)  # new params = params - grads
-  step = train.make_train_step(graphdef, tx)
-  idx = jax.random.randint(jax.random.key(3), (2, 4, 129), 0, 120)
-  x, y = idx[..., :-1], idx[..., 1:]
-  dev0 = jax.devices()[0]
-  p1, _ = _params_on(_mesh(8, 1, 1), cfg)
-  p1 = jax.device_put(_perturb(p1), dev0)
-  want, _, want_out = jax.jit(step)(p1, tx.init(p1), jax.device_put(x, dev0),
-                                    jax.device_put(y, dev0))
-  mesh = _mesh(2, 2, 2)
-  p8, shardings = _params_on(mesh, cfg)
-  p8 = jax.device_put(_perturb(p8), shardings)
-  bsh = sharding.batch_sharding(mesh, leading_dims=2)
-  with jax.set_mesh(mesh):
-    got, _, out = jax.jit(step, in_shardings=(shardings, None, bsh, bsh),
-                          out_shardings=(shardings, None, None))(
-        p8, tx.init(p8), jax.device_put(x, bsh), jax.device_put(y, bsh))
+  idx = jax.random.randint(jax.random.key(3), (2, 4, 129), 0, 120)  # 2 micro-batches of 4 rows
+  (want, want_out), (got, out), _ = sgd_step_on_mesh_and_one_device(cfg, idx, (2, 2, 2))
   assert float(out["train_loss"]) == pytest.approx(float(want_out["train_loss"]), rel=1e-5)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)

@@ -73,20 +73,19 @@ def _perturb(params):
                                    zip(leaves, keys)])
 
 
-@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 8, 1), (1, 2, 4)])
-def test_sharded_step_equals_unsharded(shape):
-  """Loss and gradients (through the accumulation scan, tables included) match one device."""
-  cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=120)
+def sgd_step_on_mesh_and_one_device(cfg, idx, shape):
+  """One train step (plain SGD, lr 1: new params = params - grads) of the same perturbed
+  parameters on one device and on a mesh: ((params, out) one device, (params, out) mesh,
+  the mesh's starting params)."""
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_lib.build(cfg)))
-  tx = optax.sgd(1.0)  # new params = params - grads: compares the gradients exactly
+  tx = optax.sgd(1.0)
   step = train.make_train_step(graphdef, tx)
-  idx = jax.random.randint(jax.random.key(3), (2, 8, 17), 0, 120)  # 2 micro-batches of 8 rows
   x, y = idx[..., :-1], idx[..., 1:]
-  one = _mesh(8, 1, 1)  # reference: everything on one device
-  p1, _ = _params_on(one, cfg)
-  p1 = jax.device_put(_perturb(p1), jax.devices()[0])
-  ref_params, _, ref_out = jax.jit(step)(p1, tx.init(p1), jax.device_put(x, jax.devices()[0]),
-                                         jax.device_put(y, jax.devices()[0]))
+  dev0 = jax.devices()[0]
+  p1, _ = _params_on(_mesh(8, 1, 1), cfg)
+  p1 = jax.device_put(_perturb(p1), dev0)
+  ref_params, _, ref_out = jax.jit(step)(p1, tx.init(p1), jax.device_put(x, dev0),
+                                         jax.device_put(y, dev0))
   mesh = _mesh(*shape)
   p8, shardings = _params_on(mesh, cfg)
   p8 = jax.device_put(_perturb(p8), shardings)
@@ -95,6 +94,15 @@ def test_sharded_step_equals_unsharded(shape):
     new_params, _, out = jax.jit(step, in_shardings=(shardings, None, bsh, bsh),
                                  out_shardings=(shardings, None, None))(
         p8, tx.init(p8), jax.device_put(x, bsh), jax.device_put(y, bsh))
+  return (ref_params, ref_out), (new_params, out), p8
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 8, 1), (1, 2, 4)])
+def test_sharded_step_equals_unsharded(shape):
+  """Loss and gradients (through the accumulation scan, tables included) match one device."""
+  cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=120)
+  idx = jax.random.randint(jax.random.key(3), (2, 8, 17), 0, 120)  # 2 micro-batches of 8 rows
+  (ref_params, ref_out), (new_params, out), p8 = sgd_step_on_mesh_and_one_device(cfg, idx, shape)
   assert float(out["train_loss"]) == pytest.approx(float(ref_out["train_loss"]), rel=1e-5)
   flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref_params))
   for path, v in jax.tree_util.tree_leaves_with_path(new_params):
