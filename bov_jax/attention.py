@@ -24,6 +24,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from bov_jax import sharding
+
 IMPLS = ("auto", "xla", "splash")
 SPLASH_BLOCK = 128  # Splash's sequence blocks are multiples of 128 rows
 
@@ -81,7 +83,6 @@ def _splash(q_BTHE, k_BTKE, v_BTKE, window: int):
 
 
 def _splash_sharded(q_BTHE, k_BTKE, v_BTKE, window: int):
-  from bov_jax import sharding  # the mesh axis names
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return _splash(q_BTHE, k_BTKE, v_BTKE, window)

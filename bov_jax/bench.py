@@ -53,8 +53,7 @@ def train_stepper(cfg):
   T = cfg.model.sequence_len
   accum = cfg.train.batch_tokens // (per_device * n_dev * T)
   graphdef, params, _ = train.init_params(cfg, mesh, jax.random.key(0))
-  counts = plan.param_counts(cfg)
-  fpt = 6 * counts["n_matmul"] + plan.attention_flops(cfg)
+  fpt = plan.flops_per_token(cfg)
   tx = optim.make(cfg, 1000, plan.hyperparams(cfg))
   with jax.set_mesh(mesh):
     opt_state = jax.jit(tx.init)(params)

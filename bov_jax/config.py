@@ -12,6 +12,7 @@ import math
 import ml_collections
 from ml_collections import config_dict
 
+from bov_jax import attention
 from bov_jax import values
 
 
@@ -167,11 +168,12 @@ def validate(cfg) -> values.ValueMode:
   if not pattern or set(pattern) - {"S", "L"}:
     raise ConfigError(
         f"model.window_pattern={m.window_pattern!r}: expected a string of S and L such as 'SSSL'")
-  if m.attention not in ("auto", "xla", "splash"):
-    raise ConfigError(f"model.attention={m.attention!r}: expected one of auto, xla, splash")
-  if m.attention == "splash" and m.sequence_len % 128:
+  if m.attention not in attention.IMPLS:
+    raise ConfigError(f"model.attention={m.attention!r}: expected one of "
+                      f"{', '.join(attention.IMPLS)}")
+  if m.attention == "splash" and not attention.splash_fits(m.sequence_len):
     raise ConfigError(f"model.attention='splash' needs model.sequence_len to be a multiple of "
-                      f"128 (Splash's block rows); got {m.sequence_len}")
+                      f"{attention.SPLASH_BLOCK} (Splash's block rows); got {m.sequence_len}")
   if m.remat not in REMAT_POLICIES:
     raise ConfigError(f"model.remat={m.remat!r}: expected one of {', '.join(REMAT_POLICIES)}")
   if m.loss_chunk < 0:

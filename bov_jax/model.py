@@ -180,7 +180,7 @@ class GPT(nnx.Module):
     self.compute_dtype = jnp.dtype(m.dtype)
     self.table_lookup = m.table_lookup
     self.remat = m.remat
-    self.attention = m.attention
+    self.attention_impl = m.attention
     self.loss_chunk = m.loss_chunk or (256 if jax.default_backend() == "cpu" else 2048)
     Vp = values.padded_vocab(m.vocab_size)
     D = m.n_embd
@@ -248,7 +248,7 @@ class GPT(nnx.Module):
 
       def layer(x, v_tilde, block=block):
         q, k, v = block.attn.qkv(rmsnorm(x), cs, v_tilde)
-        y = attention.self_attend(q, k, v, block.attn.window, self.attention)
+        y = attention.self_attend(q, k, v, block.attn.window, self.attention_impl)
         x = x + block.attn.output(y)
         return x + block.mlp(rmsnorm(x)), (k, v)
 

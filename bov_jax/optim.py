@@ -144,21 +144,20 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
       by_shape.setdefault(tuple(g.shape) if batched else k, []).append(k)
     upd, bufs, bufs2 = [None] * len(g_leaves), [None] * len(g_leaves), [None] * len(g_leaves)
     for ks in by_shape.values():
-      if len(ks) == 1:
-        x, b, b2 = jax.tree.map(lambda a: a[None], direction(
-            g_leaves[ks[0]], b_leaves[ks[0]], s_leaves[ks[0]], m))
+      if len(ks) == 1:  # no stacking (a copy) for a matrix on its own
+        outs = [direction(g_leaves[ks[0]], b_leaves[ks[0]], s_leaves[ks[0]], m)]
       else:
-        x, b, b2 = jax.vmap(direction, in_axes=(0, 0, 0, None))(
+        stacked = jax.vmap(direction, in_axes=(0, 0, 0, None))(
             jnp.stack([g_leaves[k] for k in ks]), jnp.stack([b_leaves[k] for k in ks]),
             jnp.stack([s_leaves[k] for k in ks]), m)
+        outs = [tuple(a[j] for a in stacked) for j in range(len(ks))]
       fan_in, fan_out = g_leaves[ks[0]].shape
       lr_eff = lr * math.sqrt(max(1.0, fan_out / fan_in))
-      for j, k in enumerate(ks):
-        p = p_leaves[k]
-        pf = p.astype(jnp.float32)
-        mask = (x[j] * pf >= 0).astype(jnp.float32)  # cautious: decay only where it agrees
-        upd[k] = (-(lr_eff * x[j] + lr_eff * wd * pf * mask)).astype(p.dtype)
-        bufs[k], bufs2[k] = b[j], b2[j]
+      for k, (x, b, b2) in zip(ks, outs):
+        bufs[k], bufs2[k] = b, b2
+        pf = p_leaves[k].astype(jnp.float32)
+        mask = (x * pf >= 0).astype(jnp.float32)  # cautious: decay only where it agrees
+        upd[k] = (-(lr_eff * x + lr_eff * wd * pf * mask)).astype(p_leaves[k].dtype)
     unflat = lambda xs: jax.tree.unflatten(treedef, xs)
     return unflat(upd), MuonState(it + 1, unflat(bufs), unflat(bufs2))
 
@@ -218,6 +217,14 @@ def polar_dtype(cfg) -> str:
   return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
+def muon_batched(cfg) -> bool:
+  """optim.muon_batched, with auto resolved: batched on GPU/TPU; on CPU one matrix
+  at a time measured faster (docs/performance.md)."""
+  if cfg.optim.muon_batched != "auto":
+    return cfg.optim.muon_batched == "true"
+  return jax.default_backend() != "cpu"
+
+
 def make(cfg, num_iterations: int, hp: dict) -> optax.GradientTransformation:
   o = cfg.optim
   mult = lambda it: lr_multiplier(it, num_iterations, o.warmup_steps, o.warmdown_ratio,
@@ -230,7 +237,6 @@ def make(cfg, num_iterations: int, hp: dict) -> optax.GradientTransformation:
       learning_rate=lambda it: hp["muon"] * mult(it),
       momentum=lambda it: muon_momentum(it, num_iterations, o.warmdown_ratio),
       weight_decay=lambda it: muon_weight_decay(it, num_iterations, hp["muon_weight_decay"]),
-      batched=(jax.default_backend() != "cpu") if o.muon_batched == "auto"
-      else o.muon_batched == "true",
+      batched=muon_batched(cfg),
       polar_dtype=jnp.dtype(polar_dtype(cfg)))
   return optax.partition(groups, labels)

@@ -122,7 +122,7 @@ def memory_per_device(cfg, num_iterations: int = 100) -> dict:
 def make_plan(cfg) -> dict:
   mode = config_lib.validate(cfg)
   counts = param_counts(cfg)
-  fpt = 6 * counts["n_matmul"] + attention_flops(cfg)
+  fpt = flops_per_token(cfg)
   iters = num_iterations(cfg, fpt)
   tokens_per_step = int(cfg.train.batch_tokens)
   return {

@@ -167,8 +167,7 @@ def setup(cfg, workdir: str | None) -> Run:
 
   tok = tok_lib.load_or_train(workdir, tokenizer_texts, cfg.model.vocab_size)
   graphdef, params, shardings = init_params(cfg, mesh, jax.random.key(cfg.train.seed))
-  counts = plan_lib.param_counts(cfg)
-  fpt = 6 * counts["n_matmul"] + plan_lib.attention_flops(cfg)
+  fpt = plan_lib.flops_per_token(cfg)
   hp = plan_lib.hyperparams(cfg)
   return Run(cfg=cfg, workdir=workdir, mesh=mesh, graphdef=graphdef, params=params,
              param_shardings=shardings, tok=tok, token_bytes=tok.token_bytes(),
