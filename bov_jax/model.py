@@ -273,22 +273,23 @@ class GPT(nnx.Module):
   def token_losses(self, idx_BT, targets_BT):
     """Cross-entropy in nats per target position; 0 where target == -1.
 
-    Chunked over rows with a hand-written backward (losses.py): the fp32
-    logits of the whole batch are never materialised.
+    Chunked over rows (losses.py): the fp32 logits of the whole batch are never
+    materialised.
     """
     h = self.hidden(idx_BT)
     B, T, D = h.shape
-    # On CPU, keeping the chunks' tanh (up to 256 MiB) beats recomputing their logits.
-    keep = jax.default_backend() == "cpu" and B * T * self.vocab_size * 4 <= 2 ** 28
     nll = losses.softcap_nll(h.reshape(B * T, D), self.lm_head[...], targets_BT.reshape(-1),
-                             self.vocab_size, self.loss_chunk, keep)
+                             self.vocab_size, self.loss_chunk)
     return nll.reshape(B, T)
 
   def loss(self, idx_BT, targets_BT):
-    """Mean cross-entropy over targets != -1."""
-    nll = self.token_losses(idx_BT, targets_BT)
-    count = jnp.sum(targets_BT >= 0)
-    return jnp.sum(nll) / jnp.maximum(count, 1)
+    """Mean cross-entropy over targets != -1 (its LM-head gradient is hand-written,
+    losses.softcap_nll_sum)."""
+    h = self.hidden(idx_BT)
+    B, T, D = h.shape
+    total = losses.softcap_nll_sum(h.reshape(B * T, D), self.lm_head[...],
+                                   targets_BT.reshape(-1), self.vocab_size, self.loss_chunk)
+    return total / jnp.maximum(jnp.sum(targets_BT >= 0), 1)
 
 
 # -- initialisation ----------------------------------------------------------
