@@ -70,10 +70,13 @@ def polar_express(u, dtype=jnp.float32):
   computed in `dtype` (the reference uses bfloat16; returned as float32)."""
   x = u.astype(dtype)
   x = x / (jnp.linalg.norm(x.astype(jnp.float32)).astype(dtype) * 1.01 + 1e-6)
+  tall = x.shape[0] > x.shape[1]
+  small, large = sorted(x.shape)
+  if dtype == jnp.float32 and 2 * large >= 3 * small:
+    return _polar_express_gram(x, tall)
   # Iterate on the smaller Gram matrix. For a tall matrix this is the transposed
   # iteration written without transposes (X^T X is symmetric): transposing X
   # and back cost XLA's CPU backend a layout copy per step, ~10% of the train step.
-  tall = x.shape[0] > x.shape[1]
   for a, b, c in POLAR_EXPRESS:
     if tall:
       gram = x.T @ x
@@ -82,6 +85,30 @@ def polar_express(u, dtype=jnp.float32):
       gram = x @ x.T
       x = a * x + (b * gram + c * gram @ gram) @ x
   return x.astype(jnp.float32)
+
+
+def _polar_express_gram(x, tall):
+  """The same five steps computed in the small Gram space (float32 only).
+
+  Each step is X <- X p(A) with A = X^T X (tall X; mirrored for wide) and
+  p(A) = a + b A + c A^2. Everything is a polynomial in G = X0^T X0, so these
+  commute: X_k = X0 Q_k with Q_{k+1} = Q_k p(A_k), and A_{k+1} = p(A_k) A_k p(A_k).
+  For an s x L matrix that is 17 s^3 matmuls plus two s^2 L ones instead of
+  five times (two s^2 L + one s^3): 44% fewer FLOPs at the MLP's 4:1. Squaring
+  the condition number is harmless in float32 (errors ~1e-3 of the largest entry
+  on matrices with singular values down to 1e-6, against ~1e-1 for the
+  reference's bfloat16 iteration; tests/test_optim.py); bfloat16 keeps the
+  direct iteration, which is what the reference runs.
+  """
+  gram = x.T @ x if tall else x @ x.T
+  eye = jnp.eye(gram.shape[0], dtype=gram.dtype)
+  q = None
+  for i, (a, b, c) in enumerate(POLAR_EXPRESS):
+    p = a * eye + b * gram + c * gram @ gram
+    q = p if q is None else q @ p
+    if i + 1 < len(POLAR_EXPRESS):
+      gram = p @ gram @ p
+  return (x @ q if tall else q @ x).astype(jnp.float32)
 
 
 def _reduce_axis(shape) -> int:

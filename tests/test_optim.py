@@ -119,6 +119,48 @@ def test_polar_express_orthogonalises():
   assert 0.6 < s.min() and s.max() < 1.3  # Polar Express lands singular values near 1
 
 
+def _np_polar_express(u):
+  x = np.asarray(u, np.float64)
+  x = x / (np.linalg.norm(x) * 1.01 + 1e-6)
+  for a, b, c in PE:
+    A = x @ x.T
+    x = a * x + (b * A + c * A @ A) @ x
+  return x
+
+
+@pytest.mark.parametrize("shape", [(256, 64), (64, 256), (96, 64)])
+@pytest.mark.parametrize("spectrum", ["gaussian", "decaying"])
+def test_gram_space_polar_express_matches_float64(shape, spectrum):
+  """Aspect >= 1.5 in float32 runs in the Gram space (fewer FLOPs): the same
+  polynomial as the direct iteration, checked against it in float64, including
+  a matrix with singular values from 1 down to 1e-6 (where squaring them in the
+  Gram matrix could have lost the small ones)."""
+  rng = np.random.default_rng(0)
+  m, n = shape
+  if spectrum == "gaussian":
+    u = rng.standard_normal(shape)
+  else:
+    a, _ = np.linalg.qr(rng.standard_normal((m, min(m, n))))
+    b, _ = np.linalg.qr(rng.standard_normal((n, min(m, n))))
+    u = (a * np.logspace(0, -6, min(m, n))) @ b.T
+  want = _np_polar_express(u)
+  got = np.asarray(optim.polar_express(jnp.asarray(u, jnp.float32)))
+  err = np.abs(got - want).max() / np.abs(want).max()
+  assert err < (2e-5 if spectrum == "gaussian" else 3e-3), err
+  bf16 = np.asarray(optim.polar_express(jnp.asarray(u, jnp.float32), jnp.bfloat16))
+  assert err < 0.1 * np.abs(bf16 - want).max() / np.abs(want).max()  # far inside the reference's rounding
+
+
+def test_gram_space_form_is_chosen_by_shape_and_dtype():
+  def n_dots(shape, dtype=jnp.float32):
+    jaxpr = jax.make_jaxpr(lambda u: optim.polar_express(u, dtype))(jnp.ones(shape))
+    return sum(e.primitive.name == "dot_general" for e in jaxpr.jaxpr.eqns)
+
+  assert n_dots((256, 64)) == n_dots((64, 256)) == n_dots((96, 64)) == 19  # 17 small + 2
+  assert n_dots((64, 64)) == n_dots((80, 64)) == 15  # direct: 3 a step
+  assert n_dots((256, 64), jnp.bfloat16) == 15  # bf16 keeps the reference's iteration
+
+
 @pytest.mark.parametrize("shape", [(48, 48), (32, 96), (96, 32)])
 def test_bf16_polar_express_tracks_fp32(shape):
   """optim.polar_dtype=bfloat16 (the reference's choice, the default on GPU/TPU):
