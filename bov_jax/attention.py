@@ -2,9 +2,14 @@
 
 `model.attention` picks the kernel:
   auto    Splash attention on TPU (when the sequence fits its 128-row blocks),
-          jax.nn.dot_product_attention elsewhere
+          `blocks` on CPU, jax.nn.dot_product_attention on GPU
   xla     jax.nn.dot_product_attention: cuDNN flash attention on GPU where it
           applies, XLA otherwise
+  blocks  plain einsums over 128-row query blocks, each against only the key
+          blocks its window reaches: causality alone skips a quarter of the
+          score and value matmuls at 256 positions, more at longer ones. On
+          CPU, where XLA's attention computes and masks the whole square, it
+          measured 5% of the whole train step (docs/performance.md).
   splash  the Pallas Splash attention kernel. Off TPU it runs in the Pallas
           interpreter: slow, for tests that check it against `xla`.
 
@@ -21,13 +26,15 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from bov_jax import sharding
 
-IMPLS = ("auto", "xla", "splash")
+IMPLS = ("auto", "xla", "blocks", "splash")
 SPLASH_BLOCK = 128  # Splash's sequence blocks are multiples of 128 rows
+CAUSAL_BLOCK = 128  # query rows per block of `blocks`
 
 
 def splash_fits(seq_len: int) -> bool:
@@ -35,23 +42,48 @@ def splash_fits(seq_len: int) -> bool:
 
 
 def resolve(impl: str, seq_len: int) -> str:
-  """The kernel used for this length: sequences that do not fill Splash's blocks
+  """The kernel used for this length: sequences that do not fill the blocks
   (short evaluation buckets) take `xla` whatever the setting."""
-  if impl == "xla" or not splash_fits(seq_len):
-    return "xla"
   if impl == "auto":
-    return "splash" if jax.default_backend() == "tpu" else "xla"
-  return impl
+    impl = {"tpu": "splash", "cpu": "blocks"}.get(jax.default_backend(), "xla")
+  if impl == "splash" and splash_fits(seq_len):
+    return "splash"
+  if impl == "blocks" and seq_len % CAUSAL_BLOCK == 0 and seq_len > CAUSAL_BLOCK:
+    return "blocks"
+  return "xla"
 
 
 def self_attend(q_BTHE, k_BTKE, v_BTKE, window: int, impl: str = "auto"):
   """Attention output [B, T, H * E]."""
   B, T, H, E = q_BTHE.shape
-  if resolve(impl, T) == "xla":
+  kernel = resolve(impl, T)
+  if kernel == "xla":
     out = jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True,
                                        local_window_size=(window, 0))
     return out.reshape(B, T, H * E)
+  if kernel == "blocks":
+    return _blocks(q_BTHE, k_BTKE, v_BTKE, window)
   return _splash_sharded(q_BTHE, k_BTKE, v_BTKE, window)
+
+
+def _blocks(q_BTHE, k_BTKE, v_BTKE, window: int):
+  """Each 128-row query block against the keys its window reaches, masked only
+  where a key block straddles the window's edges (autodiff gives the backward)."""
+  B, T, H, E = q_BTHE.shape
+  K = k_BTKE.shape[2]
+  q_BTKGE = q_BTHE.reshape(B, T, K, H // K, E) * (1.0 / math.sqrt(E))
+  c = CAUSAL_BLOCK
+  out = []
+  for a in range(0, T, c):
+    lo = max(0, a - window) // c * c  # first key block the window reaches
+    i = np.arange(a, a + c)[:, None]
+    j = np.arange(lo, a + c)[None, :]
+    visible = (i - j >= 0) & (i - j <= window)
+    s = jnp.einsum("btkge,bske->bkgts", q_BTKGE[:, a:a + c], k_BTKE[:, lo:a + c],
+                   preferred_element_type=jnp.float32)
+    p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1).astype(v_BTKE.dtype)
+    out.append(jnp.einsum("bkgts,bske->btkge", p, v_BTKE[:, lo:a + c]))
+  return jnp.concatenate(out, axis=1).reshape(B, T, H * E)
 
 
 @functools.lru_cache(maxsize=None)

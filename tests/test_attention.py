@@ -1,4 +1,5 @@
-"""attention.py: the Splash kernel (Pallas interpreter on CPU) against jax.nn's attention."""
+"""attention.py: causal blocks and the Splash kernel (Pallas interpreter on CPU) against
+jax.nn's attention."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +33,36 @@ def test_splash_equals_xla_forward_and_gradients(window):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=5e-5)
 
 
+@pytest.mark.parametrize("T, window, H, K", [
+    (256, 256, 2, 2),   # causal only: the last query block skips nothing, the first half
+    (512, 100, 4, 2),   # a window inside a block, and blocks the window skips; GQA
+    (384, 128, 2, 1),   # a window exactly one block wide; MQA
+])
+def test_blocks_equal_xla_forward_and_gradients(T, window, H, K):
+  q, k, v = _qkv(B=2, T=T, H=H, K=K, E=32, seed=T)
+  a = attention.self_attend(q, k, v, window, "blocks")
+  b = attention.self_attend(q, k, v, window, "xla")
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+  ga = jax.grad(_loss("blocks", window), argnums=(0, 1, 2))(q, k, v)
+  gb = jax.grad(_loss("xla", window), argnums=(0, 1, 2))(q, k, v)
+  for x, y in zip(ga, gb):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=5e-5)
+
+
+def test_blocks_skip_the_key_blocks_outside_the_window():
+  """FLOPs in the compiled forward: causal at T=512 computes 10 of 16 score blocks;
+  a 100-token window at most two key blocks per query block (7 of 16)."""
+  q, k, v = _qkv(B=1, T=512, H=2, K=2, E=32)
+
+  def flops(impl, window):
+    f = jax.jit(lambda *a: attention.self_attend(*a, window, impl))
+    return f.lower(q, k, v).compile().cost_analysis()["flops"]
+
+  full = flops("xla", 512)
+  assert flops("blocks", 512) < 0.7 * full
+  assert flops("blocks", 100) < 0.5 * full
+
+
 def test_splash_runs_per_shard_on_a_mesh():
   """Batch over data x fsdp, kv heads over tensor: same output and gradients."""
   mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
@@ -60,11 +91,13 @@ def test_model_with_splash_matches_xla_and_short_sequences_fall_back():
   np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
   assert attention.resolve("splash", 64) == "xla"      # an evaluation bucket
   assert attention.resolve("splash", 256) == "splash"
-  assert attention.resolve("auto", 256) == ("splash" if jax.default_backend() == "tpu" else "xla")
+  auto = {"tpu": "splash", "cpu": "blocks"}.get(jax.default_backend(), "xla")
+  assert attention.resolve("auto", 256) == auto
+  assert attention.resolve("blocks", 128) == attention.resolve("blocks", 200) == "xla"
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(attention="flash"), r"model\.attention='flash': expected one of auto, xla, splash"),
+    (dict(attention="flash"), r"model\.attention='flash': expected one of auto, xla, blocks, splash"),
     (dict(attention="splash", sequence_len=100), r"multiple of 128.*got 100"),
 ])
 def test_bad_attention_settings_are_named(settings, message):
