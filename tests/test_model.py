@@ -225,3 +225,18 @@ def test_remat_policies_recompute_and_keep_gradients(preset):
   for policy in ("dots", "dots_no_batch", "full"):
     for a, b in zip(jax.tree.leaves(grads[policy]), jax.tree.leaves(grads["none"])):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(32, 8), (8, 32)])
+def test_mm_gradients_match_plain_matmul(shape):
+  """mm forms the weight gradient of a narrowing matrix (more rows than columns,
+  the MLP's W_proj) transposed on CPU; the gradients are the plain matmul's."""
+  k1, k2 = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(k1, (3, 5, shape[0]))
+  w = jax.random.normal(k2, shape)
+  f = lambda x, w: jnp.sum(jnp.sin(model_lib.mm(x, w)))
+  r = lambda x, w: jnp.sum(jnp.sin(jnp.einsum("btd,df->btf", x, w)))
+  for a, b in zip(jax.grad(f, argnums=(0, 1))(x, w), jax.grad(r, argnums=(0, 1))(x, w)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  custom = "custom_vjp" in str(jax.make_jaxpr(f)(x, w))
+  assert custom == (shape[0] > shape[1] and jax.default_backend() == "cpu")
