@@ -21,16 +21,20 @@ def _loss(impl, window):
   return lambda q, k, v: jnp.sum(jnp.sin(attention.self_attend(q, k, v, window, impl)))
 
 
-@pytest.mark.parametrize("window", [64, 256])
-def test_splash_equals_xla_forward_and_gradients(window):
-  q, k, v = _qkv()
-  a = attention.self_attend(q, k, v, window, "splash")
+def _assert_matches_xla(impl, q, k, v, window):
+  """Output and the gradients of q, k and v equal jax.nn's attention's."""
+  a = attention.self_attend(q, k, v, window, impl)
   b = attention.self_attend(q, k, v, window, "xla")
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
-  ga = jax.grad(_loss("splash", window), argnums=(0, 1, 2))(q, k, v)
+  ga = jax.grad(_loss(impl, window), argnums=(0, 1, 2))(q, k, v)
   gb = jax.grad(_loss("xla", window), argnums=(0, 1, 2))(q, k, v)
   for x, y in zip(ga, gb):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=5e-5)
+
+
+@pytest.mark.parametrize("window", [64, 256])
+def test_splash_equals_xla_forward_and_gradients(window):
+  _assert_matches_xla("splash", *_qkv(), window)
 
 
 @pytest.mark.parametrize("T, window, H, K", [
@@ -39,14 +43,7 @@ def test_splash_equals_xla_forward_and_gradients(window):
     (384, 128, 2, 1),   # a window exactly one block wide; MQA
 ])
 def test_blocks_equal_xla_forward_and_gradients(T, window, H, K):
-  q, k, v = _qkv(B=2, T=T, H=H, K=K, E=32, seed=T)
-  a = attention.self_attend(q, k, v, window, "blocks")
-  b = attention.self_attend(q, k, v, window, "xla")
-  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
-  ga = jax.grad(_loss("blocks", window), argnums=(0, 1, 2))(q, k, v)
-  gb = jax.grad(_loss("xla", window), argnums=(0, 1, 2))(q, k, v)
-  for x, y in zip(ga, gb):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=5e-5)
+  _assert_matches_xla("blocks", *_qkv(B=2, T=T, H=H, K=K, E=32, seed=T), window)
 
 
 def test_blocks_skip_the_key_blocks_outside_the_window():
