@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bov_jax import attention
 from bov_jax import model as model_lib
 from bov_jax import sharding
 from bov_jax import values
@@ -134,7 +135,7 @@ def forward_cached(model, idx_BT, cache):
     if stores_values(model.plan[i]):
       cache["v"][str(i)] = _write(cache["v"][str(i)], v, start)
     v_all = _cached_values(model, i, cache, cache["v"].get("0"))
-    y = model_lib.attend(q, cache["k"][i], v_all, pos, kpos, block.attn.window)
+    y = attention.attend(q, cache["k"][i], v_all, pos, kpos, block.attn.window)
     x = x + block.attn.output(y)
     x = x + block.mlp(model_lib.rmsnorm(x))
   logits = model.logits(model_lib.rmsnorm(x))

@@ -36,9 +36,14 @@ def _split(n, chunk):
   return chunk
 
 
-def _chunk_nll(hc, yc, w, vocab):
+def _head(w, vocab, dtype):
+  """The LM head's real-vocabulary columns [D, V] in the compute dtype, once per call."""
+  return w[:, :vocab].astype(dtype)
+
+
+def _chunk_nll(hc, yc, wv):
   """(nll [c] (0 where y == -1), tanh [c, V], exp(z - 15) [c, V], their row sums [c])."""
-  t = jnp.tanh((hc @ w.astype(hc.dtype))[:, :vocab].astype(jnp.float32) / SOFTCAP)
+  t = jnp.tanh((hc @ wv).astype(jnp.float32) / SOFTCAP)
   e = jnp.exp(SOFTCAP * t - SOFTCAP)
   s = jnp.sum(e, axis=-1)
   # A gather of c values (never differentiated: the gradients are written by
@@ -59,8 +64,10 @@ def softcap_nll(h_ND, w_DV, y_N, vocab: int, chunk: int = 1024):
 
   For evaluation; training uses `softcap_nll_sum`, whose gradient is hand-written.
   """
+  wv = _head(w_DV, vocab, h_ND.dtype)
+
   def body(_, hy):
-    return None, _chunk_nll(*hy, w_DV, vocab)[0]
+    return None, _chunk_nll(*hy, wv)[0]
 
   _, nll = jax.lax.scan(body, None, (_rows(h_ND, chunk), _rows(y_N, chunk)))
   return nll.reshape(-1)
@@ -75,11 +82,11 @@ def softcap_nll_sum(h_ND, w_DV, y_N, vocab: int, chunk: int = 1024):
 
 def _sum_fwd(h, w, y, vocab, chunk):
   N, D = h.shape
-  wv = w[:, :vocab].astype(h.dtype)
+  wv = _head(w, vocab, h.dtype)
 
   def body(dw, hy):
     hc, yc = hy
-    nll, t, e, s = _chunk_nll(hc, yc, w, vocab)
+    nll, t, e, s = _chunk_nll(hc, yc, wv)
     hit = jnp.arange(vocab)[None, :] == yc[:, None]
     dz = (e * (1.0 / s)[:, None] - hit) * (1.0 - t * t)  # through the soft-cap
     dz = jnp.where((yc >= 0)[:, None], dz, 0.0).astype(h.dtype)

@@ -66,26 +66,6 @@ def rotary(x_BTNE, cos_sin):
   return jnp.concatenate([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], axis=-1)
 
 
-def attend(q_BTHE, k_BSKE, v_BSKE, qpos_BT, kpos_BS, window):
-  """Causal sliding-window GQA attention: query i sees key j iff 0 <= i - j <= window.
-
-  Positions are explicit so the same function serves training (S = T) and
-  cached decoding (S = cache length; an empty slot gets a position past every
-  query, which the causal test hides).
-  """
-  B, T, H, E = q_BTHE.shape
-  K = k_BSKE.shape[2]
-  q_BTKGE = q_BTHE.reshape(B, T, K, H // K, E)
-  scores = jnp.einsum("btkge,bske->bkgts", q_BTKGE, k_BSKE,
-                      preferred_element_type=jnp.float32) / np.sqrt(E)
-  delta = qpos_BT[:, :, None] - kpos_BS[:, None, :]  # [B, T, S]
-  visible = (delta >= 0) & (delta <= window)
-  scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKE.dtype)
-  out = jnp.einsum("bkgts,bske->btkge", probs, v_BSKE)
-  return out.reshape(B, T, H * E)
-
-
 class _FrozenDict(dict):
   """A dict that hashes, for static model attributes."""
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from bov_jax import attention
 from bov_jax import model as model_lib
 from bov_jax import values
 from tests.helpers import small_config
@@ -50,9 +51,9 @@ def test_sliding_window_limits_what_a_layer_sees():
   k = jax.random.normal(jax.random.key(1), (1, 20, 2, 16))
   v = jax.random.normal(jax.random.key(2), (1, 20, 2, 16))
   pos = jnp.arange(20)[None]
-  out = model_lib.attend(q, k, v, pos, pos, 8)
+  out = attention.attend(q, k, v, pos, pos, 8)
   v2 = v.at[:, 5].add(10.0)
-  out2 = model_lib.attend(q, k, v2, pos, pos, 8)
+  out2 = attention.attend(q, k, v2, pos, pos, 8)
   diff = np.abs(np.asarray(out - out2)).max(axis=(0, 2))
   assert np.all(diff[:5] == 0) and np.all(diff[5:14] > 0) and np.all(diff[14:] == 0)
   del m
