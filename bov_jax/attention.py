@@ -9,7 +9,7 @@
           blocks its window reaches: causality alone skips a quarter of the
           score and value matmuls at 256 positions, more at longer ones. On
           CPU, where XLA's attention computes and masks the whole square, it
-          measured 5% of the whole train step (docs/performance.md).
+          measured 3-5% of the whole train step (docs/performance.md).
   splash  the Pallas Splash attention kernel. Off TPU it runs in the Pallas
           interpreter: slow, for tests that check it against `xla`.
 
