@@ -75,8 +75,10 @@ def base_config() -> ml_collections.ConfigDict:
   o.warmdown_ratio = 0.65
   o.final_lr_frac = 0.05
   o.muon_batched = "auto"     # batch Polar Express over same-shaped matrices: auto|true|false
-  o.polar_dtype = "auto"      # Polar Express matmul dtype: auto (bfloat16 on GPU/TPU as in
-                              # the reference, float32 on CPU) | float32 | bfloat16
+  o.polar_dtype = "auto"      # Polar Express matmul operands: auto (bfloat16, as in the
+                              # reference; float32 accumulation) | float32 | bfloat16
+  o.polar_gram = "auto"       # float32 Gram-space Polar Express for matrices of aspect
+                              # >= 1.5: auto (on CPU) | true | false
 
   c.data = d = ml_collections.ConfigDict()
   d.corpus = "embedded"       # embedded | a path (text, JSONL, Parquet) or glob
@@ -195,8 +197,9 @@ def validate(cfg) -> values.ValueMode:
   if cfg.optim.polar_dtype not in ("auto", "float32", "bfloat16"):
     raise ConfigError(f"optim.polar_dtype={cfg.optim.polar_dtype!r}: expected auto, float32 "
                       "or bfloat16")
-  if cfg.optim.muon_batched not in ("auto", "true", "false"):
-    raise ConfigError(f"optim.muon_batched={cfg.optim.muon_batched!r}: expected auto, true or false")
+  for name in ("muon_batched", "polar_gram"):
+    if cfg.optim[name] not in ("auto", "true", "false"):
+      raise ConfigError(f"optim.{name}={cfg.optim[name]!r}: expected auto, true or false")
   t = cfg.train
   _positive("train.batch_tokens", t.batch_tokens)
   _positive("train.device_batch_size", t.device_batch_size)

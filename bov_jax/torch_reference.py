@@ -124,45 +124,52 @@ class GPT(nn.Module):
 
 
 class Muon(torch.optim.Optimizer):
-  """The reference's Muon: momentum, Polar Express, variance reduction, cautious wd."""
+  """The reference's Muon (momentum, Polar Express, variance reduction, cautious wd),
+  run the way the reference runs it: the matrices of one shape stacked and updated
+  together, Polar Express in bfloat16 (SPEC section 4), the tall form X^T X written
+  without transposes. polar_dtype other than bfloat16 is for tests."""
 
-  def __init__(self, params, lr, momentum=0.95, weight_decay=0.0):
+  def __init__(self, params, lr, momentum=0.95, weight_decay=0.0, polar_dtype=torch.bfloat16):
     super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+    self.polar_dtype = polar_dtype
 
   @torch.no_grad()
   def step(self):
     for group in self.param_groups:
       m, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+      by_shape = {}
       for p in group["params"]:
-        g = p.grad
-        st = self.state[p]
+        by_shape.setdefault(tuple(p.shape), []).append(p)
+      for (rows, cols), ps in by_shape.items():
+        st = self.state[ps[0]]
+        red = -1 if rows >= cols else -2
         if not st:
-          st["buf"] = torch.zeros_like(g)
-          red = -1 if p.size(-2) >= p.size(-1) else -2
-          shape = (p.size(-2), 1) if red == -1 else (1, p.size(-1))
-          st["buf2"], st["red"] = torch.zeros(shape), red
-        buf = st["buf"]
-        buf.lerp_(g, 1 - m)
-        u = g.lerp(buf, m)
-        x = u / (u.norm() * 1.01 + 1e-6)
-        tall = x.size(-2) > x.size(-1)
-        if tall:
-          x = x.mT
+          st["buf"] = torch.zeros(len(ps), rows, cols)
+          st["buf2"] = torch.zeros((len(ps), rows, 1) if red == -1 else (len(ps), 1, cols))
+        g = torch.stack([p.grad for p in ps])
+        params = torch.stack(ps)
+        st["buf"].lerp_(g, 1 - m)
+        u = g.lerp_(st["buf"], m)
+        x = u.to(self.polar_dtype)
+        x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.01 + 1e-6)
         for a, b, c in jax_optim.POLAR_EXPRESS:
-          A = x @ x.mT
-          x = a * x + (b * A + c * A @ A) @ x
-        if tall:
-          x = x.mT
-        v = x.square().mean(dim=st["red"], keepdim=True)
-        n_red = x.size(st["red"])
-        norm = (v.sum() * n_red).sqrt()
+          if rows > cols:
+            A = x.mT @ x
+            x = a * x + x @ (b * A + c * (A @ A))
+          else:
+            A = x @ x.mT
+            x = a * x + (b * A + c * (A @ A)) @ x
+        v = x.float().square().mean(dim=red, keepdim=True)
+        n_red = x.size(red)
+        norm = (v.sum(dim=(-2, -1), keepdim=True) * n_red).sqrt()
         st["buf2"].lerp_(v, 0.1)
         step = st["buf2"].clamp_min(1e-10).rsqrt()
-        new = (v * n_red * step.square()).sum().sqrt()
-        x = x * step * (norm / new.clamp_min(1e-10))
-        lr_eff = lr * max(1.0, p.size(-2) / p.size(-1)) ** 0.5
-        mask = (x * p) >= 0
-        p.sub_(lr_eff * x + lr_eff * wd * p * mask)
+        new = (v * n_red * step.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+        x = x * (step * (norm / new.clamp_min(1e-10))).to(x.dtype)
+        lr_eff = lr * max(1.0, rows / cols) ** 0.5
+        mask = (x * params) >= 0
+        params.sub_(lr_eff * x + lr_eff * wd * params * mask)
+        torch._foreach_copy_(ps, list(params.unbind(0)))
 
 
 def make_optimizers(model: GPT):

@@ -147,18 +147,25 @@ def test_gram_space_polar_express_matches_float64(shape, spectrum):
   got = np.asarray(optim.polar_express(jnp.asarray(u, jnp.float32)))
   err = np.abs(got - want).max() / np.abs(want).max()
   assert err < (2e-5 if spectrum == "gaussian" else 3e-3), err
-  bf16 = np.asarray(optim.polar_express(jnp.asarray(u, jnp.float32), jnp.bfloat16))
+  bf16 = np.asarray(optim.polar_express(jnp.asarray(u, jnp.float32), jnp.bfloat16, gram=False))
   assert err < 0.1 * np.abs(bf16 - want).max() / np.abs(want).max()  # far inside the reference's rounding
 
 
-def test_gram_space_form_is_chosen_by_shape_and_dtype():
-  def n_dots(shape, dtype=jnp.float32):
-    jaxpr = jax.make_jaxpr(lambda u: optim.polar_express(u, dtype))(jnp.ones(shape))
-    return sum(e.primitive.name == "dot_general" for e in jaxpr.jaxpr.eqns)
+def test_gram_space_form_is_chosen_by_shape_and_setting():
+  def dots(shape, dtype=jnp.float32, gram=True):
+    jaxpr = jax.make_jaxpr(lambda u: optim.polar_express(u, dtype, gram))(jnp.ones(shape))
+    return [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
 
+  n_dots = lambda *a: len(dots(*a))
   assert n_dots((256, 64)) == n_dots((64, 256)) == n_dots((96, 64)) == 19  # 17 small + 2
+  assert n_dots((256, 64), jnp.bfloat16) == 19  # the Gram-space form is float32 whatever dtype
+  assert {e.invars[0].aval.dtype for e in dots((256, 64), jnp.bfloat16)} == {jnp.dtype('float32')}
   assert n_dots((64, 64)) == n_dots((80, 64)) == 15  # direct: 3 a step
-  assert n_dots((256, 64), jnp.bfloat16) == 15  # bf16 keeps the reference's iteration
+  assert n_dots((256, 64), jnp.float32, False) == 15  # polar_gram=false: the reference's iteration
+  # bf16 operands, float32 products
+  for e in dots((64, 64), jnp.bfloat16):
+    assert {v.aval.dtype for v in e.invars} == {jnp.dtype('bfloat16')}
+    assert e.outvars[0].aval.dtype == jnp.dtype('float32')
 
 
 @pytest.mark.parametrize("shape", [(48, 48), (32, 96), (96, 32)])
@@ -168,8 +175,8 @@ def test_bf16_polar_express_tracks_fp32(shape):
   Express does not converge to the exact polar factor, so bf16 rounding moves
   the small singular values (~10% relative difference); the direction stays."""
   u = jax.random.normal(jax.random.key(3), shape)
-  full = np.asarray(optim.polar_express(u))
-  half = optim.polar_express(u, jnp.bfloat16)
+  full = np.asarray(optim.polar_express(u, gram=False))
+  half = optim.polar_express(u, jnp.bfloat16, gram=False)
   assert half.dtype == jnp.float32
   half = np.asarray(half)
   cos = np.sum(half * full) / (np.linalg.norm(half) * np.linalg.norm(full))
@@ -178,13 +185,17 @@ def test_bf16_polar_express_tracks_fp32(shape):
   assert 0.3 < s.min() and s.max() < 1.3
 
 
-def test_polar_dtype_setting():
+def test_polar_dtype_and_gram_settings():
   c = config_lib.base_config()
-  assert optim.polar_dtype(c) == ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-  c.optim.polar_dtype = "bfloat16"
-  assert optim.polar_dtype(c) == "bfloat16"
+  assert optim.polar_dtype(c) == "bfloat16"  # the reference's
+  assert optim.polar_gram(c) == (jax.default_backend() == "cpu")
+  c.optim.polar_dtype, c.optim.polar_gram = "float32", "false"
+  assert optim.polar_dtype(c) == "float32" and optim.polar_gram(c) is False
   c.optim.polar_dtype = "fp8"
   with pytest.raises(config_lib.ConfigError, match=r"optim\.polar_dtype='fp8'"):
+    config_lib.validate(c)
+  c.optim.polar_dtype, c.optim.polar_gram = "auto", "yes"
+  with pytest.raises(config_lib.ConfigError, match=r"optim\.polar_gram='yes'"):
     config_lib.validate(c)
 
 
@@ -225,8 +236,10 @@ def test_paper_hyperparameters():
 
 
 def test_full_optimizer_matches_numpy_per_group():
-  """Several steps of the partitioned optimizer: every group against its numpy transcription."""
+  """Several steps of the partitioned optimizer: every group against its numpy transcription
+  (Polar Express in float32 here; its bfloat16 rounding is tested above)."""
   c = config_lib.depth_config(12)
+  c.optim.polar_dtype = "float32"
   n = 50
   hp = {"unembed": 0.008, "embed": 0.3, "smear": 0.2, "alpha": 0.005, "beta_gamma": 0.5,
         "table": 0.15, "muon": 0.02, "muon_weight_decay": 0.28}
