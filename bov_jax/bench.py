@@ -5,7 +5,9 @@
 
 `train` compiles the real train step once (random tokens, the config's
 optimizer and accumulation), times warm steps and reports the median; with
---reference=torch the PyTorch transcription's steps alternate with ours in blocks.
+--reference=torch the PyTorch transcription's steps alternate with ours in blocks
+(eager); --reference=torch_compiled runs it as the reference trains, under
+torch.compile (needs a C++ compiler).
 `decode` builds the baseline (gpt_base) and the config's value mode at each
 context length and reports the cache's allocated bytes and decode throughput.
 """
@@ -30,8 +32,9 @@ _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps (train) / decode steps p
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps after compilation.")
 _CONTEXTS = flags.DEFINE_string("contexts", "256,1024", "Context lengths (decode).")
 _BATCH = flags.DEFINE_integer("batch", 1, "Sequences decoded together (decode).")
-_REFERENCE = flags.DEFINE_enum("reference", None, ["torch"],
-                               "train: also time the PyTorch transcription (needs torch).")
+_REFERENCE = flags.DEFINE_enum("reference", None, ["torch", "torch_compiled"],
+                               "train: also time the PyTorch transcription (needs torch), "
+                               "eager or under torch.compile.")
 
 
 def _emit(obj, as_json):
@@ -100,9 +103,9 @@ def bench_train(cfg, steps: int, warmup: int, reference: str | None = None) -> l
   """The train record (last), after the reference's record when one is asked for."""
   run, rec = train_stepper(cfg)
   runs = {"bov_jax": run}
-  if reference == "torch":
+  if reference is not None:
     from bov_jax import torch_reference  # imports torch
-    runs["torch"], ref = torch_reference.make_step(cfg)
+    runs["torch"], ref = torch_reference.make_step(cfg, compiled=reference == "torch_compiled")
   dt = time_interleaved(runs, steps, warmup)
   tps = cfg.train.batch_tokens / dt["bov_jax"]
   rec.update(step_s=dt["bov_jax"], tokens_per_s=tps, achieved_flops=tps * rec["flops_per_token"],

@@ -123,56 +123,69 @@ class GPT(nn.Module):
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
 
+def muon_shape_step(g, params, buf, buf2, momentum, lr, wd, polar_dtype=torch.bfloat16):
+  """Muon on the stacked matrices of one shape [n, rows, cols], in place (params,
+  buf, buf2); momentum, lr (already scaled for the shape) and wd are 0-D tensors,
+  so a compiled version is not recompiled when the schedules move them."""
+  rows, cols = g.shape[-2:]
+  red = -1 if rows >= cols else -2
+  buf.lerp_(g, 1 - momentum)
+  u = g.lerp_(buf, momentum)
+  x = u.to(polar_dtype)
+  x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.01 + 1e-6)
+  for a, b, c in jax_optim.POLAR_EXPRESS:
+    if rows > cols:
+      A = x.mT @ x
+      x = a * x + x @ (b * A + c * (A @ A))
+    else:
+      A = x @ x.mT
+      x = a * x + (b * A + c * (A @ A)) @ x
+  v = x.float().square().mean(dim=red, keepdim=True)
+  n_red = x.size(red)
+  norm = (v.sum(dim=(-2, -1), keepdim=True) * n_red).sqrt()
+  buf2.lerp_(v, 0.1)
+  step = buf2.clamp_min(1e-10).rsqrt()
+  new = (v * n_red * step.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+  x = x * (step * (norm / new.clamp_min(1e-10))).to(x.dtype)
+  lr, wd = lr.to(x.dtype), wd.to(x.dtype)
+  mask = (x * params) >= 0
+  params.sub_(lr * x + lr * wd * params * mask)
+
+
 class Muon(torch.optim.Optimizer):
   """The reference's Muon (momentum, Polar Express, variance reduction, cautious wd),
   run the way the reference runs it: the matrices of one shape stacked and updated
-  together, Polar Express in bfloat16 (SPEC section 4), the tall form X^T X written
-  without transposes. polar_dtype other than bfloat16 is for tests."""
+  together (`muon_shape_step`, compiled when `compiled`), Polar Express in bfloat16
+  (SPEC section 4), the tall form X^T X written without transposes. polar_dtype
+  other than bfloat16 is for tests."""
 
-  def __init__(self, params, lr, momentum=0.95, weight_decay=0.0, polar_dtype=torch.bfloat16):
+  def __init__(self, params, lr, momentum=0.95, weight_decay=0.0, polar_dtype=torch.bfloat16,
+               compiled=False):
     super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
     self.polar_dtype = polar_dtype
+    self.shape_step = (torch.compile(muon_shape_step, dynamic=False, fullgraph=True)
+                       if compiled else muon_shape_step)
 
   @torch.no_grad()
   def step(self):
     for group in self.param_groups:
-      m, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
       by_shape = {}
       for p in group["params"]:
         by_shape.setdefault(tuple(p.shape), []).append(p)
       for (rows, cols), ps in by_shape.items():
         st = self.state[ps[0]]
-        red = -1 if rows >= cols else -2
         if not st:
           st["buf"] = torch.zeros(len(ps), rows, cols)
-          st["buf2"] = torch.zeros((len(ps), rows, 1) if red == -1 else (len(ps), 1, cols))
-        g = torch.stack([p.grad for p in ps])
+          st["buf2"] = torch.zeros((len(ps), rows, 1) if rows >= cols else (len(ps), 1, cols))
         params = torch.stack(ps)
-        st["buf"].lerp_(g, 1 - m)
-        u = g.lerp_(st["buf"], m)
-        x = u.to(self.polar_dtype)
-        x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.01 + 1e-6)
-        for a, b, c in jax_optim.POLAR_EXPRESS:
-          if rows > cols:
-            A = x.mT @ x
-            x = a * x + x @ (b * A + c * (A @ A))
-          else:
-            A = x @ x.mT
-            x = a * x + (b * A + c * (A @ A)) @ x
-        v = x.float().square().mean(dim=red, keepdim=True)
-        n_red = x.size(red)
-        norm = (v.sum(dim=(-2, -1), keepdim=True) * n_red).sqrt()
-        st["buf2"].lerp_(v, 0.1)
-        step = st["buf2"].clamp_min(1e-10).rsqrt()
-        new = (v * n_red * step.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
-        x = x * (step * (norm / new.clamp_min(1e-10))).to(x.dtype)
-        lr_eff = lr * max(1.0, rows / cols) ** 0.5
-        mask = (x * params) >= 0
-        params.sub_(lr_eff * x + lr_eff * wd * params * mask)
+        scalars = (group["momentum"], group["lr"] * max(1.0, rows / cols) ** 0.5,
+                   group["weight_decay"])
+        self.shape_step(torch.stack([p.grad for p in ps]), params, st["buf"], st["buf2"],
+                        *(torch.tensor(float(v)) for v in scalars), self.polar_dtype)
         torch._foreach_copy_(ps, list(params.unbind(0)))
 
 
-def make_optimizers(model: GPT):
+def make_optimizers(model: GPT, compiled: bool = False):
   matrices = [p for b in model.blocks for n, p in b.named_parameters()
               if p.ndim == 2 and "value_embed" not in n]
   tables = [b.attn.value_embed.weight for b in model.blocks if b.attn.bank]
@@ -185,12 +198,16 @@ def make_optimizers(model: GPT):
     groups.append(dict(params=tables, lr=0.15, betas=(0.8, 0.995), weight_decay=0.01))
     groups.append(dict(params=gammas, lr=0.5, betas=(0.96, 0.95), weight_decay=0.0))
   adam = torch.optim.AdamW(groups, eps=1e-10)
-  return [adam, Muon(matrices, lr=0.02, momentum=0.95, weight_decay=0.28)]
+  return [adam, Muon(matrices, lr=0.02, momentum=0.95, weight_decay=0.28, compiled=compiled)]
 
 
-def make_step(cfg):
+def make_step(cfg, compiled: bool = False):
   """(run, record): run() does one PyTorch step (forward, backward, both optimizers)
-  on random tokens and returns its seconds; timed by bov_jax.bench."""
+  on random tokens and returns its seconds; timed by bov_jax.bench.
+
+  compiled: as the reference trains, the model under `torch.compile` and Muon's
+  per-shape step compiled too (TorchInductor; needs a C++ compiler; the first
+  run compiles, which the bench's warm-up absorbs)."""
   import time
   from bov_jax import config as config_lib
   from bov_jax import values
@@ -200,7 +217,8 @@ def make_step(cfg):
     raise ValueError("the PyTorch reference covers gpt_base and gpt_base_v_from_value_emb_learn")
   banks = set(values.target_layers(mode, cfg.model.n_layer)) if mode.source == "table" else set()
   model = GPT(cfg, banks)
-  opts = make_optimizers(model)
+  opts = make_optimizers(model, compiled)
+  forward = torch.compile(model, dynamic=False) if compiled else model
   T, B = cfg.model.sequence_len, cfg.train.device_batch_size
   accum = max(1, cfg.train.batch_tokens // (B * T))
   data = torch.randint(0, cfg.model.vocab_size, (accum, B, T + 1))
@@ -208,13 +226,13 @@ def make_step(cfg):
   def run() -> float:
     t = time.perf_counter()
     for a in range(accum):
-      loss = model(data[a, :, :-1], data[a, :, 1:]) / accum
+      loss = forward(data[a, :, :-1], data[a, :, 1:]) / accum
       loss.backward()
     for o in opts:
       o.step()
     model.zero_grad(set_to_none=True)
     return time.perf_counter() - t
 
-  return run, {"bench": "train_torch_reference", "preset": mode.preset,
+  return run, {"bench": "train_torch_reference", "preset": mode.preset, "compiled": compiled,
                "torch": torch.__version__, "threads": torch.get_num_threads(),
                "tokens_per_step": accum * B * T}

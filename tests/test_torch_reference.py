@@ -76,12 +76,14 @@ def test_transcription_computes_our_loss(preset):
   assert got == pytest.approx(want, rel=1e-5)
 
 
-@pytest.mark.parametrize("polar_dtype", ["float32", "bfloat16"])
-def test_transcription_muon_is_our_muon(polar_dtype):
+@pytest.mark.parametrize("polar_dtype,compiled", [("float32", False), ("bfloat16", False),
+                                                  ("float32", True)])
+def test_transcription_muon_is_our_muon(polar_dtype, compiled):
   """Two steps on matrices of three shapes (two of one shape, stacked as the
   reference stacks them), gradients with uneven row and column scales (so the
   variance reduction matters): the same parameters as ours. In float32 to
-  rounding; in the reference's bfloat16 (ours still float32) the same direction."""
+  rounding; in the reference's bfloat16 (ours still float32) the same direction.
+  Compiled (torch.compile, as `bench train --reference=torch_compiled` runs it): the same."""
   lr, mom, wd = 0.02, 0.9, 0.28
   rng = np.random.default_rng(0)
   shapes = [(48, 48), (48, 48), (96, 32), (32, 96)]  # ours: [fan_in, fan_out]
@@ -93,7 +95,7 @@ def test_transcription_muon_is_our_muon(polar_dtype):
   state = tx.init(p)
   tp = [torch.nn.Parameter(_t(a.T)) for a in params]
   opt = torch_reference.Muon(tp, lr=lr, momentum=mom, weight_decay=wd,
-                             polar_dtype=getattr(torch, polar_dtype))
+                             polar_dtype=getattr(torch, polar_dtype), compiled=compiled)
   for gs in grads:
     upd, state = tx.update([jnp.asarray(g) for g in gs], state, p)
     p = optax.apply_updates(p, upd)
