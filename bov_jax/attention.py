@@ -71,7 +71,7 @@ def _blocks(q_BTHE, k_BTKE, v_BTKE, window: int):
   (autodiff gives the backward). Head-major once for all blocks: sliced
   token-major, each block's matmuls paid for their own layout copies (the
   step measured 1-2% slower)."""
-  B, T, H, E = q_BTHE.shape
+  T = q_BTHE.shape[1]
   q, k, v = _heads_major(q_BTHE, k_BTKE, v_BTKE)
   c = CAUSAL_BLOCK
   out = []
@@ -79,7 +79,7 @@ def _blocks(q_BTHE, k_BTKE, v_BTKE, window: int):
     lo = max(0, a - window) // c * c  # first key block the window reaches
     out.append(_attend_heads(q[:, :, :, a:a + c], k[:, :, lo:a + c], v[:, :, lo:a + c],
                              np.arange(a, a + c)[None], np.arange(lo, a + c)[None], window))
-  return jnp.concatenate(out, axis=3).transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
+  return _tokens_major(jnp.concatenate(out, axis=3))
 
 
 def attend(q_BTHE, k_BSKE, v_BSKE, qpos_BT, kpos_BS, window):
@@ -90,9 +90,8 @@ def attend(q_BTHE, k_BSKE, v_BSKE, qpos_BT, kpos_BS, window):
   length; an empty slot gets a position past every query, which the causal test
   hides).
   """
-  B, T, H, E = q_BTHE.shape
-  out = _attend_heads(*_heads_major(q_BTHE, k_BSKE, v_BSKE), qpos_BT, kpos_BS, window)
-  return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
+  return _tokens_major(_attend_heads(*_heads_major(q_BTHE, k_BSKE, v_BSKE), qpos_BT, kpos_BS,
+                                    window))
 
 
 def _heads_major(q_BTHE, k_BSKE, v_BSKE):
@@ -101,6 +100,12 @@ def _heads_major(q_BTHE, k_BSKE, v_BSKE):
   K = k_BSKE.shape[2]
   q = q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
   return q, k_BSKE.transpose(0, 2, 1, 3), v_BSKE.transpose(0, 2, 1, 3)
+
+
+def _tokens_major(out_BKGTE):
+  """[B, K, G, T, E] -> [B, T, H * E], the inverse of `_heads_major` for q."""
+  B, K, G, T, E = out_BKGTE.shape
+  return out_BKGTE.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G * E)
 
 
 def _attend_heads(q_BKGTE, k_BKSE, v_BKSE, qpos_BT, kpos_BS, window):

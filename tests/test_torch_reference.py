@@ -1,8 +1,5 @@
 """The PyTorch transcription timed by `bench train --reference=torch` is the same model
 and optimizer as ours (torch is optional: skipped where it is not installed)."""
-import importlib.util
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,19 +12,7 @@ torch = pytest.importorskip("torch")
 from bov_jax import model as model_lib  # noqa: E402
 from bov_jax import optim  # noqa: E402
 from bov_jax import torch_reference  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _cfg(preset):
-  spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs/tiny.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  cfg = mod.get_config()
-  cfg.model.update(dict(n_layer=3, n_embd=64, n_head=2, n_kv_head=2, sequence_len=64,
-                        vocab_size=500, short_window=16))
-  cfg.model.value.preset = preset
-  return cfg
+from tests.helpers import small_config  # noqa: E402
 
 
 def _t(x):
@@ -38,7 +23,7 @@ def _t(x):
 def test_transcription_computes_our_loss(preset):
   """Our weights copied into the transcription (Linear layers are stored [out, in])
   give the same loss on the same tokens."""
-  cfg = _cfg(preset)
+  cfg = small_config(preset)  # GQA and sliding windows
   ours = model_lib.init_model_eager(cfg, jax.random.key(0))
   # Random values everywhere (the init zeroes the output projections and lambda).
   state = nnx.state(ours, nnx.Param)
