@@ -72,51 +72,98 @@ def _blocks(q_BTHE, k_BTKE, v_BTKE, window: int):
   token-major, each block's matmuls paid for their own layout copies (the
   step measured 1-2% slower)."""
   T = q_BTHE.shape[1]
-  q, k, v = _heads_major(q_BTHE, k_BTKE, v_BTKE)
+  q = _query_heads(q_BTHE, k_BTKE.shape[2])
+  k, v = kv_rows(k_BTKE), kv_rows(v_BTKE)
   c = CAUSAL_BLOCK
   out = []
   for a in range(0, T, c):
     lo = max(0, a - window) // c * c  # first key block the window reaches
-    out.append(_attend_heads(q[:, :, :, a:a + c], k[:, :, lo:a + c], v[:, :, lo:a + c],
+    out.append(_attend_heads(q[:, :, :, a:a + c], k[:, lo:a + c], v[:, lo:a + c],
                              np.arange(a, a + c)[None], np.arange(lo, a + c)[None], window))
   return _tokens_major(jnp.concatenate(out, axis=3))
 
 
-def attend(q_BTHE, k_BSKE, v_BSKE, qpos_BT, kpos_BS, window):
-  """Causal sliding-window GQA attention [B, T, H * E]: query i sees key j iff
+def attend(q_BTHE, k_NSE, v_NSE, qpos_BT, kpos_BS, window):
+  """Causal sliding-window GQA attention [B, T, H * E] of T queries over S keys
+  and values held as rows N = B * K (`kv_rows`): query i sees key j iff
   0 <= i - j <= window.
 
-  Positions are explicit so the same function serves cached decoding (S = cache
-  length; an empty slot gets a position past every query, which the causal test
-  hides).
+  This serves cached decoding: positions are explicit (S = cache length; an empty
+  slot gets a position past every query, which the causal test hides), and the
+  cache is kept in the layout the matmuls read, because turning a token-major
+  cache head-major on every step cost more than the attention itself (decoding
+  at 4,096 positions 5x slower, docs/performance.md).
   """
-  return _tokens_major(_attend_heads(*_heads_major(q_BTHE, k_BSKE, v_BSKE), qpos_BT, kpos_BS,
-                                    window))
+  B = q_BTHE.shape[0]
+  q_BKGTE = _query_heads(q_BTHE, k_NSE.shape[0] // B)
+  return _tokens_major(_attend_heads(q_BKGTE, k_NSE, v_NSE, qpos_BT, kpos_BS, window))
 
 
-def _heads_major(q_BTHE, k_BSKE, v_BSKE):
-  """q [B, K, G, T, E] (query head h = kv head h // G), k and v [B, K, S, E]."""
+def kv_rows(x_BSKE):
+  """[B, S, K, E] -> [B * K, S, E]: one row per sequence and kv head, the layout
+  `attend` takes keys and values in. One leading dimension, not (B, K): XLA
+  drops a size-1 dimension of a matmul's batch (one sequence), and when that
+  matmul read a cache updated in place in the same decode step, XLA copied the
+  cache buffer twice per step (docs/performance.md)."""
+  B, S, K, E = x_BSKE.shape
+  return x_BSKE.transpose(0, 2, 1, 3).reshape(B * K, S, E)
+
+
+def _query_heads(q_BTHE, K):
+  """[B, T, H, E] -> [B, K, G, T, E]: query head h = kv head h // G."""
   B, T, H, E = q_BTHE.shape
-  K = k_BSKE.shape[2]
-  q = q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
-  return q, k_BSKE.transpose(0, 2, 1, 3), v_BSKE.transpose(0, 2, 1, 3)
+  return q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
 
 
 def _tokens_major(out_BKGTE):
-  """[B, K, G, T, E] -> [B, T, H * E], the inverse of `_heads_major` for q."""
+  """[B, K, G, T, E] -> [B, T, H * E], the inverse of `_query_heads`."""
   B, K, G, T, E = out_BKGTE.shape
   return out_BKGTE.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G * E)
 
 
-def _attend_heads(q_BKGTE, k_BKSE, v_BKSE, qpos_BT, kpos_BS, window):
-  E = q_BKGTE.shape[-1]
-  scores = jnp.einsum("bkgte,bkse->bkgts", q_BKGTE, k_BKSE,
-                      preferred_element_type=jnp.float32) / np.sqrt(E)
+def _attend_heads(q_BKGTE, k_NSE, v_NSE, qpos_BT, kpos_BS, window):
+  B, K, G, T, E = q_BKGTE.shape
+  S = k_NSE.shape[1]
   delta = qpos_BT[:, :, None] - kpos_BS[:, None, :]  # [B, T, S]
   visible = (delta >= 0) & (delta <= window)
-  scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSE.dtype)
-  return jnp.einsum("bkgts,bkse->bkgte", probs, v_BKSE)
+  visible_NMS = jnp.broadcast_to(visible[:, None, None], (B, K, G, T, S)).reshape(B * K, G * T, S)
+  # The matmuls see one row dimension M = G * T (free reshapes): with two (g, t)
+  # XLA's CPU dot took a slower path, attention forward and backward 20% slower
+  # in training and decoding (T = G = 1) 4-6x slower (docs/performance.md).
+  out = _softmax_attention(q_BKGTE.reshape(B * K, G * T, E), k_NSE, v_NSE, visible_NMS)
+  return out.reshape(B, K, G, T, E)
+
+
+@jax.custom_vjp
+def _softmax_attention(q_NME, k_NSE, v_NSE, visible_NMS):
+  """softmax(q k^T / sqrt(E), where visible) v, rows N = B * K, queries M = G * T."""
+  return _softmax_attention_fwd(q_NME, k_NSE, v_NSE, visible_NMS)[0]
+
+
+def _softmax_attention_fwd(q_NME, k_NSE, v_NSE, visible_NMS):
+  scores = jnp.einsum("nme,nse->nms", q_NME, k_NSE,
+                      preferred_element_type=jnp.float32) / np.sqrt(q_NME.shape[-1])
+  probs = jax.nn.softmax(jnp.where(visible_NMS, scores, -jnp.inf), axis=-1)
+  out = jnp.einsum("nms,nse->nme", probs.astype(v_NSE.dtype), v_NSE)
+  return out, (q_NME, k_NSE, v_NSE, probs, out)
+
+
+def _softmax_attention_bwd(res, dout_NME):
+  """The softmax's backward takes its row sum from dout . out, over E, as flash
+  attention does (sum_s p_s dp_s = dout . sum_s p_s v_s): autodiff's sum of
+  p * dp over S was, in XLA's CPU fusion, 2.4 of a layer's 13.5 ms forward and
+  backward; this whole backward measured 22% faster (docs/performance.md)."""
+  q_NME, k_NSE, v_NSE, probs, out = res
+  dv = jnp.einsum("nms,nme->nse", probs.astype(v_NSE.dtype), dout_NME)
+  dp = jnp.einsum("nme,nse->nms", dout_NME, v_NSE, preferred_element_type=jnp.float32)
+  d = jnp.sum(dout_NME.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+  ds = probs * (dp - d) / np.sqrt(q_NME.shape[-1])
+  dq = jnp.einsum("nms,nse->nme", ds.astype(k_NSE.dtype), k_NSE).astype(q_NME.dtype)
+  dk = jnp.einsum("nms,nme->nse", ds.astype(q_NME.dtype), q_NME).astype(k_NSE.dtype)
+  return dq, dk, dv.astype(v_NSE.dtype), None
+
+
+_softmax_attention.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
 
 
 @functools.lru_cache(maxsize=None)

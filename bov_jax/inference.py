@@ -1,7 +1,8 @@
 """Decoding with a cache that keeps no values for bank layers (SPEC section 7).
 
 The cache, per sequence of the batch, up to `context` positions:
-  k[i]    keys of every layer i                          [B, S, K, E]
+  k[i]    keys of every layer i, a row per sequence and kv head   [B * K, S, E]
+          (`attention.kv_rows`: the layout attention's matmuls read)
   v[i]    values, only for layers whose values depend on context: a bank layer
           (table, replace) stores none and gathers gamma * E_i[ids] when it runs;
           a V1-replace layer reuses layer 0's values instead of storing them again
@@ -72,8 +73,8 @@ def init_cache(model, batch: int, context: int) -> dict:
   D = model.wte.shape[1]
   dt = model.compute_dtype
   cache = {
-      "k": [jnp.zeros((batch, context, K, E), dt) for _ in model.blocks],
-      "v": {str(i): jnp.zeros((batch, context, K, E), dt)
+      "k": [jnp.zeros((batch * K, context, E), dt) for _ in model.blocks],
+      "v": {str(i): jnp.zeros((batch * K, context, E), dt)
             for i, lv in enumerate(model.plan) if stores_values(lv)},
       "prev": jnp.zeros((batch, D), dt),
       "pos": jnp.zeros((batch,), jnp.int32),
@@ -99,11 +100,14 @@ def _cached_values(model, i, cache, v1_cache):
   rows = sharding.table_lookup(model.tables[model.table_of[i]][...], cache["ids"],
                                          model.table_lookup)
   rows = rows.astype(model.compute_dtype).reshape(B, S, attn.n_kv_head, attn.head_dim)
-  return values.combine(lv, None, rows, coeffs)
+  # XLA writes the gathered rows straight into the layout attention reads (the
+  # transpose folds into the gather): a bank layer pays one extra pass over
+  # its rows against a stored-value layer.
+  return values.combine(lv, None, attention.kv_rows(rows), coeffs)
 
 
 def _write(buf, new, start):
-  """buf[b, start[b]:start[b]+T] = new[b] for every row b."""
+  """buf[n, start[n]:start[n]+T] = new[n] for every row n."""
   return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0))(
       buf, new, start)
 
@@ -124,6 +128,7 @@ def forward_cached(model, idx_BT, cache):
     cache["ids"] = _write(cache["ids"], idx_BT.astype(jnp.int32), start)
   x0n = model_lib.rmsnorm(x)
   S = cache["k"][0].shape[1]
+  start_N = jnp.repeat(start, model.blocks[0].attn.n_kv_head)  # each kv-head row's sequence
   kpos = jnp.broadcast_to(jnp.arange(S), (B, S))
   cs = model_lib.rope(pos, model.blocks[0].attn.head_dim)
   v1_new = None
@@ -131,9 +136,9 @@ def forward_cached(model, idx_BT, cache):
     q, k, v = block.attn.qkv(model_lib.rmsnorm(x), cs, model.v_tilde(i, x0n, v1_new, idx_BT))
     if i == 0:
       v1_new = v
-    cache["k"][i] = _write(cache["k"][i], k, start)
+    cache["k"][i] = _write(cache["k"][i], attention.kv_rows(k), start_N)
     if stores_values(model.plan[i]):
-      cache["v"][str(i)] = _write(cache["v"][str(i)], v, start)
+      cache["v"][str(i)] = _write(cache["v"][str(i)], attention.kv_rows(v), start_N)
     v_all = _cached_values(model, i, cache, cache["v"].get("0"))
     y = attention.attend(q, cache["k"][i], v_all, pos, kpos, block.attn.window)
     x = x + block.attn.output(y)

@@ -46,6 +46,19 @@ def test_blocks_equal_xla_forward_and_gradients(T, window, H, K):
   _assert_matches_xla("blocks", *_qkv(B=2, T=T, H=H, K=K, E=32, seed=T), window)
 
 
+def test_blocks_in_bfloat16_follow_float32():
+  """The hand-written backward keeps each operand's dtype (bf16 in, bf16 gradients)
+  and stays within bf16 rounding of the float32 gradients."""
+  q, k, v = _qkv(B=2, T=256, H=4, K=2, E=32, seed=3)
+  loss = _loss("blocks", 100)
+  g32 = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  g16 = jax.grad(loss, argnums=(0, 1, 2))(*(x.astype(jnp.bfloat16) for x in (q, k, v)))
+  for a, b in zip(g16, g32):
+    assert a.dtype == jnp.bfloat16
+    err = np.abs(np.asarray(a, np.float32) - np.asarray(b)).max()
+    assert err < 0.03 * np.abs(np.asarray(b)).max(), err
+
+
 def test_blocks_skip_the_key_blocks_outside_the_window():
   """FLOPs in the compiled forward: causal at T=512 computes 10 of 16 score blocks;
   a 100-token window at most two key blocks per query block (7 of 16)."""

@@ -51,9 +51,10 @@ def test_sliding_window_limits_what_a_layer_sees():
   k = jax.random.normal(jax.random.key(1), (1, 20, 2, 16))
   v = jax.random.normal(jax.random.key(2), (1, 20, 2, 16))
   pos = jnp.arange(20)[None]
-  out = attention.attend(q, k, v, pos, pos, 8)
+  rows = attention.kv_rows
+  out = attention.attend(q, rows(k), rows(v), pos, pos, 8)
   v2 = v.at[:, 5].add(10.0)
-  out2 = attention.attend(q, k, v2, pos, pos, 8)
+  out2 = attention.attend(q, rows(k), rows(v2), pos, pos, 8)
   diff = np.abs(np.asarray(out - out2)).max(axis=(0, 2))
   assert np.all(diff[:5] == 0) and np.all(diff[5:14] > 0) and np.all(diff[14:] == 0)
   del m
