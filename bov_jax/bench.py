@@ -152,7 +152,7 @@ def bench_decode(cfg, contexts, batch: int, steps: int) -> list[dict]:
 
         def body(t, carry):
           last, cache = carry
-          tok = jnp.argmax(last, axis=-1).astype(jnp.int32)
+          tok = inference.greedy(last)
           logits, cache = inference.forward_cached(m, tok[:, None], cache)
           return logits[:, 0], cache
 

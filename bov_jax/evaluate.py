@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bov_jax import inference
+
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 SHUFFLE_SEED = 1337
 FEWSHOT_SEED = 1234
@@ -191,7 +193,7 @@ class Scorer:
       logz = jax.nn.logsumexp(logits, axis=-1)
       tgt = jnp.roll(ids, -1, axis=1)
       nll = logz - jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]
-      return nll, jnp.argmax(logits, axis=-1)  # position i predicts token i+1
+      return nll, inference.greedy(logits)  # position i predicts token i+1
 
     self.score = score
 

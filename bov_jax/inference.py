@@ -149,10 +149,21 @@ def forward_cached(model, idx_BT, cache):
   return logits, cache
 
 
+def greedy(logits_BV):
+  """jnp.argmax (the first index of the largest logit) as two plain reductions:
+  XLA's CPU backend runs argmax's paired (value, index) reduction unvectorised,
+  4-6x slower (at a 65,536 vocabulary, 292 against 65 us a token; a decode step
+  of the tiny model is 200-300 us). A NaN row gives the last index."""
+  V = logits_BV.shape[-1]
+  top = jnp.max(logits_BV, axis=-1, keepdims=True)
+  index = jax.lax.broadcasted_iota(jnp.int32, logits_BV.shape, logits_BV.ndim - 1)
+  return jnp.minimum(jnp.min(jnp.where(logits_BV == top, index, V), axis=-1), V - 1)
+
+
 def sample_logits(logits_BV, key, temperature: float, top_k: int):
   """Greedy when temperature == 0; else temperature and optional top-k sampling."""
   if temperature <= 0:
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return greedy(logits_BV)
   z = logits_BV / temperature
   if top_k and top_k > 0:
     kth = jax.lax.top_k(z, top_k)[0][..., -1:]

@@ -168,3 +168,15 @@ def test_decoding_never_copies_the_cache(preset, batch):
       if dims and math.prod(int(d) for d in dims.split(",")) == cache_elems:
         moved.append(f"{op} [{dims}] in {name}")
   assert bodies and not moved, moved
+
+
+def test_greedy_is_argmax():
+  """The first index of the largest logit, ties included, over any leading shape."""
+  rng = np.random.default_rng(0)
+  z = rng.normal(size=(3, 5, 4096)).astype(np.float32)
+  z[0, 0, [7, 4000]] = 50.0  # a tie: the first wins
+  z[1, 2, -1] = 60.0         # the last entry
+  z = np.round(z, 1)         # many equal values
+  got = np.asarray(inference.greedy(jnp.asarray(z)))
+  np.testing.assert_array_equal(got, np.argmax(z, axis=-1))
+  assert got.dtype == np.int32 and got[0, 0] == 7
