@@ -149,26 +149,57 @@ def forward_cached(model, idx_BT, cache):
   return logits, cache
 
 
+# Token choice by hand: on XLA's CPU backend jnp.argmax, lax.top_k and
+# jax.random.categorical cost more than a decode step of a small model (at a
+# 65,536 vocabulary, per token: 292, 11,085 and 1,717 us against 65, 422 and 204
+# for the forms below; docs/performance.md). The choices are the same, except
+# which token a given key samples.
+
 def greedy(logits_BV):
   """jnp.argmax (the first index of the largest logit) as two plain reductions:
-  XLA's CPU backend runs argmax's paired (value, index) reduction unvectorised,
-  4-6x slower (at a 65,536 vocabulary, 292 against 65 us a token; a decode step
-  of the tiny model is 200-300 us). A NaN row gives the last index."""
+  argmax's paired (value, index) reduction runs unvectorised. A NaN row gives
+  the last index."""
   V = logits_BV.shape[-1]
   top = jnp.max(logits_BV, axis=-1, keepdims=True)
   index = jax.lax.broadcasted_iota(jnp.int32, logits_BV.shape, logits_BV.ndim - 1)
   return jnp.minimum(jnp.min(jnp.where(logits_BV == top, index, V), axis=-1), V - 1)
 
 
+def _sortable(x):
+  """float32 -> uint32 keys in the same order (negatives: all bits flipped)."""
+  b = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  return jnp.where(b >> 31 == 1, ~b, b | np.uint32(0x80000000))
+
+
+def kth_largest_key(keys_BV, k: int):
+  """The k-th largest of each row's keys, ties counted, as lax.top_k's k-th value
+  would be: the largest t with at least k keys >= t, found bit by bit from the
+  top (32 counting passes; top_k sorts the row)."""
+  def bit(i, t):
+    cand = t | jax.lax.shift_left(np.uint32(1), (31 - i).astype(jnp.uint32))
+    enough = jnp.sum(keys_BV >= cand, axis=-1, keepdims=True) >= k
+    return jnp.where(enough, cand, t)
+  return jax.lax.fori_loop(0, 32, bit, jnp.zeros(keys_BV.shape[:-1] + (1,), jnp.uint32))
+
+
+def sample_softmax(z_BV, key):
+  """One token per row with probability softmax(z), by the inverse of its CDF and
+  one uniform number per row (categorical draws a Gumbel number per entry)."""
+  cdf = jnp.cumsum(jnp.exp(z_BV - jnp.max(z_BV, axis=-1, keepdims=True)), axis=-1)
+  u = jax.random.uniform(key, z_BV.shape[:-1] + (1,)) * cdf[..., -1:]
+  return jnp.minimum(jnp.sum(cdf <= u, axis=-1), z_BV.shape[-1] - 1).astype(jnp.int32)
+
+
 def sample_logits(logits_BV, key, temperature: float, top_k: int):
-  """Greedy when temperature == 0; else temperature and optional top-k sampling."""
+  """Greedy when temperature == 0; else temperature and optional top-k sampling
+  (the k largest logits, and any tied with the k-th)."""
   if temperature <= 0:
     return greedy(logits_BV)
-  z = logits_BV / temperature
+  z = logits_BV.astype(jnp.float32) / temperature
   if top_k and top_k > 0:
-    kth = jax.lax.top_k(z, top_k)[0][..., -1:]
-    z = jnp.where(z < kth, -jnp.inf, z)
-  return jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
+    keys = _sortable(z)
+    z = jnp.where(keys >= kth_largest_key(keys, top_k), z, -jnp.inf)
+  return sample_softmax(z, key)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "context", "max_new_tokens",

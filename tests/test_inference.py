@@ -110,6 +110,32 @@ def test_top_k_sampling_stays_in_top_k():
   assert int(inference.sample_logits(logits, jax.random.key(0), 0.0, 0)[0]) == 1
 
 
+def test_top_k_keeps_what_lax_top_k_keeps():
+  """The k-th largest by bisection equals lax.top_k's k-th value: ties, negatives,
+  -inf entries, k = 1 and k = V."""
+  rng = np.random.default_rng(1)
+  for V, k in [(10, 3), (4096, 50), (100, 1), (7, 7), (300, 40)]:
+    z = np.round(rng.normal(size=(3, V)) * 3, 1).astype(np.float32)
+    z[0, :2] = -np.inf
+    kth = np.asarray(jax.lax.top_k(jnp.asarray(z), k)[0][:, -1:])
+    keys = inference._sortable(jnp.asarray(z))
+    kept = np.asarray(keys >= inference.kth_largest_key(keys, k))
+    np.testing.assert_array_equal(kept, z >= kth, err_msg=f"V={V} k={k}")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_sampling_follows_the_softmax(temperature):
+  p = np.asarray([0.1, 0.2, 0.3, 0.4, 0.0])
+  logits = jnp.log(jnp.asarray(p, jnp.float32))[None]
+  n = 20000
+  keys = jax.random.split(jax.random.key(0), n)
+  toks = np.asarray(jax.vmap(lambda k: inference.sample_logits(logits, k, temperature, 0))(keys))
+  want = p ** (1 / temperature) / np.sum(p ** (1 / temperature))
+  freq = np.bincount(toks.ravel(), minlength=5) / n
+  np.testing.assert_allclose(freq, want, atol=4 * np.sqrt(0.25 / n))
+  assert freq[4] == 0
+
+
 def test_tables_in_host_memory_decode_the_same():
   from bov_jax import sharding
   if not sharding.host_memory_supported():
