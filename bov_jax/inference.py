@@ -88,14 +88,14 @@ def cache_bytes(cache: dict) -> int:
   return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(cache))
 
 
-def _cached_values(model, i, cache, v1_cache):
+def _cached_values(model, i, cache):
   """Values of every cached position for layer i (bank and V1 layers rebuild them)."""
   lv, attn = model.plan[i], model.blocks[i].attn
   if stores_values(lv):
     return cache["v"][str(i)]
   coeffs = {n: p[...] for n, p in attn.coeffs.items()}
   if lv.source == "v1":
-    return values.combine(lv, None, v1_cache, coeffs)
+    return values.combine(lv, None, cache["v"]["0"], coeffs)
   B, S = cache["ids"].shape
   rows = sharding.table_lookup(model.tables[model.table_of[i]][...], cache["ids"],
                                          model.table_lookup)
@@ -139,7 +139,7 @@ def forward_cached(model, idx_BT, cache):
     cache["k"][i] = _write(cache["k"][i], attention.kv_rows(k), start_N)
     if stores_values(model.plan[i]):
       cache["v"][str(i)] = _write(cache["v"][str(i)], attention.kv_rows(v), start_N)
-    v_all = _cached_values(model, i, cache, cache["v"].get("0"))
+    v_all = _cached_values(model, i, cache)
     y = attention.attend(q, cache["k"][i], v_all, pos, kpos, block.attn.window)
     x = x + block.attn.output(y)
     x = x + block.mlp(model_lib.rmsnorm(x))
@@ -171,15 +171,18 @@ def _sortable(x):
   return jnp.where(b >> 31 == 1, ~b, b | np.uint32(0x80000000))
 
 
-def kth_largest_key(keys_BV, k: int):
-  """The k-th largest of each row's keys, ties counted, as lax.top_k's k-th value
-  would be: the largest t with at least k keys >= t, found bit by bit from the
-  top (32 counting passes; top_k sorts the row)."""
+def top_k_mask(z_BV, k: int):
+  """True for each row's k largest entries and any tied with the k-th, as with
+  lax.top_k's k-th value for threshold. The threshold is the largest key t with at
+  least k keys >= t, found bit by bit from the top (32 counting passes; top_k
+  sorts the row)."""
+  keys = _sortable(z_BV)
+
   def bit(i, t):
     cand = t | jax.lax.shift_left(np.uint32(1), (31 - i).astype(jnp.uint32))
-    enough = jnp.sum(keys_BV >= cand, axis=-1, keepdims=True) >= k
+    enough = jnp.sum(keys >= cand, axis=-1, keepdims=True) >= k
     return jnp.where(enough, cand, t)
-  return jax.lax.fori_loop(0, 32, bit, jnp.zeros(keys_BV.shape[:-1] + (1,), jnp.uint32))
+  return keys >= jax.lax.fori_loop(0, 32, bit, jnp.zeros(keys.shape[:-1] + (1,), jnp.uint32))
 
 
 def sample_softmax(z_BV, key):
@@ -197,8 +200,7 @@ def sample_logits(logits_BV, key, temperature: float, top_k: int):
     return greedy(logits_BV)
   z = logits_BV.astype(jnp.float32) / temperature
   if top_k and top_k > 0:
-    keys = _sortable(z)
-    z = jnp.where(keys >= kth_largest_key(keys, top_k), z, -jnp.inf)
+    z = jnp.where(top_k_mask(z, top_k), z, -jnp.inf)
   return sample_softmax(z, key)
 
 
