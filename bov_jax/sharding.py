@@ -141,7 +141,16 @@ def place_on_host(x):
   return jax.device_put(x, _memory("pinned_host"))
 
 
-@compute_on("device_host")
+def _on_host(f):
+  """compute_on("device_host") in jax 0.10, where it takes the compute type alone,
+  and from 0.11, where it also asks which memory each output lands in."""
+  try:
+    return compute_on("device_host")(f)
+  except TypeError:
+    return compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(f)
+
+
+@_on_host
 @jax.jit
 def _take_on_host(t, i):
   return t.at[i].get(mode="promise_in_bounds")  # ids are valid tokens
