@@ -2,9 +2,13 @@
 
 `model.attention` picks the kernel:
   auto    Splash attention on TPU (when the sequence fits its 128-row blocks),
-          `blocks` on CPU, jax.nn.dot_product_attention on GPU
-  xla     jax.nn.dot_product_attention: cuDNN flash attention on GPU where it
-          applies, XLA otherwise
+          `blocks` on CPU, `cudnn` on GPU
+  xla     jax.nn.dot_product_attention's XLA implementation: the whole [T, T]
+          score matrix, masked
+  cudnn   jax.nn.dot_product_attention's cuDNN flash attention (sliding windows
+          included), on GPU with bf16/fp16 compute and head dims up to 128 that
+          are multiples of 8; anything else takes `xla`. It must be asked for by
+          name: jax.nn's default (implementation=None) is XLA's.
   blocks  plain einsums over 128-row query blocks, each against only the key
           blocks its window reaches: causality alone skips a quarter of the
           score and value matmuls at 256 positions, more at longer ones. On
@@ -32,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from bov_jax import sharding
 
-IMPLS = ("auto", "xla", "blocks", "splash")
+IMPLS = ("auto", "xla", "cudnn", "blocks", "splash")
 SPLASH_BLOCK = 128  # Splash's sequence blocks are multiples of 128 rows
 CAUSAL_BLOCK = 128  # query rows per block of `blocks`
 
@@ -41,13 +45,23 @@ def splash_fits(seq_len: int) -> bool:
   return seq_len % SPLASH_BLOCK == 0
 
 
-def resolve(impl: str, seq_len: int) -> str:
-  """The kernel used for this length: sequences that do not fill the blocks
-  (short evaluation buckets) take `xla` whatever the setting."""
+def cudnn_fits(dtype, head_dim: int) -> bool:
+  """What cuDNN's flash attention takes: a GPU, half-precision operands, and
+  head dims that are multiples of 8 up to 128."""
+  return (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+          and head_dim % 8 == 0 and head_dim <= 128)
+
+
+def resolve(impl: str, seq_len: int, dtype=jnp.float32, head_dim: int = 64) -> str:
+  """The kernel used for this length, dtype and head dim: sequences that do not
+  fill the blocks (short evaluation buckets), and cuDNN off GPU or in float32,
+  take `xla` whatever the setting."""
   if impl == "auto":
-    impl = {"tpu": "splash", "cpu": "blocks"}.get(jax.default_backend(), "xla")
+    impl = {"tpu": "splash", "cpu": "blocks", "gpu": "cudnn"}.get(jax.default_backend(), "xla")
   if impl == "splash" and splash_fits(seq_len):
     return "splash"
+  if impl == "cudnn" and cudnn_fits(dtype, head_dim):
+    return "cudnn"
   if impl == "blocks" and seq_len % CAUSAL_BLOCK == 0 and seq_len > CAUSAL_BLOCK:
     return "blocks"
   return "xla"
@@ -56,10 +70,10 @@ def resolve(impl: str, seq_len: int) -> str:
 def self_attend(q_BTHE, k_BTKE, v_BTKE, window: int, impl: str = "auto"):
   """Attention output [B, T, H * E]."""
   B, T, H, E = q_BTHE.shape
-  kernel = resolve(impl, T)
-  if kernel == "xla":
+  kernel = resolve(impl, T, q_BTHE.dtype, E)
+  if kernel in ("xla", "cudnn"):
     out = jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True,
-                                       local_window_size=(window, 0))
+                                       local_window_size=(window, 0), implementation=kernel)
     return out.reshape(B, T, H * E)
   if kernel == "blocks":
     return _blocks(q_BTHE, k_BTKE, v_BTKE, window)

@@ -41,7 +41,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.loss_chunk = 0            # rows per cross-entropy chunk (losses.py); 0: 256 on CPU
                               # (cache-sized chunks measured fastest), 2048 elsewhere
   m.table_lookup = "auto"     # auto | shard_map | gather | one_hot (see sharding.py)
-  m.attention = "auto"        # auto | xla | blocks | splash (see attention.py)
+  m.attention = "auto"        # auto | xla | cudnn | blocks | splash (see attention.py)
   m.remat = "none"            # none | dots | dots_no_batch | full: what each layer's
                               # backward recomputes instead of storing (model.REMAT)
   m.value = v = ml_collections.ConfigDict()

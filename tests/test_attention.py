@@ -106,8 +106,42 @@ def test_model_with_splash_matches_xla_and_short_sequences_fall_back():
   assert attention.resolve("blocks", 128) == attention.resolve("blocks", 200) == "xla"
 
 
+def test_cudnn_is_chosen_only_where_it_applies():
+  """cuDNN on GPU in half precision with head dims it takes; XLA anywhere else
+  (jax.nn's own default is XLA, so `auto` must name cuDNN on GPU)."""
+  gpu = jax.default_backend() == "gpu"
+  bf16 = jnp.bfloat16
+  assert attention.resolve("cudnn", 2048, bf16, 128) == ("cudnn" if gpu else "xla")
+  assert attention.resolve("cudnn", 2048, jnp.float16, 64) == ("cudnn" if gpu else "xla")
+  if gpu:
+    assert attention.resolve("auto", 2048, bf16, 128) == "cudnn"
+  for dtype, head_dim in ((jnp.float32, 128), (bf16, 256), (bf16, 36)):
+    assert attention.resolve("cudnn", 2048, dtype, head_dim) == "xla"
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs a GPU")
+@pytest.mark.parametrize("window, H, K", [(2047, 6, 6), (512, 6, 6), (100, 8, 2)])
+def test_cudnn_follows_float32_attention(window, H, K):
+  """The d12 shape in bf16 through cuDNN (full causal, the short window, GQA): output
+  and gradients within bf16 rounding of XLA's float32 attention, and the compiled
+  step really calls cuDNN."""
+  q, k, v = _qkv(B=2, T=2048, H=H, K=K, E=128, seed=window)
+  hlo = jax.jit(jax.grad(_loss("cudnn", window), argnums=(0, 1, 2))).lower(
+      *(x.astype(jnp.bfloat16) for x in (q, k, v))).compile().as_text()
+  assert "__cudnn" in hlo  # XLA's own attention compiles to cuBLAS calls only
+  with jax.default_matmul_precision("highest"):
+    want = attention.self_attend(q, k, v, window, "xla")
+    gwant = jax.grad(_loss("xla", window), argnums=(0, 1, 2))(q, k, v)
+  b = tuple(x.astype(jnp.bfloat16) for x in (q, k, v))
+  got = attention.self_attend(*b, window, "cudnn")
+  ggot = jax.grad(_loss("cudnn", window), argnums=(0, 1, 2))(*b)
+  for x, y in zip((got, *ggot), (want, *gwant)):
+    x, y = np.asarray(x, np.float32), np.asarray(y)
+    assert np.linalg.norm(x - y) < 1e-2 * np.linalg.norm(y), np.linalg.norm(x - y) / np.linalg.norm(y)
+
+
 @pytest.mark.parametrize("settings, message", [
-    (dict(attention="flash"), r"model\.attention='flash': expected one of auto, xla, blocks, splash"),
+    (dict(attention="flash"), r"model\.attention='flash': expected one of auto, xla, cudnn, blocks, splash"),
     (dict(attention="splash", sequence_len=100), r"multiple of 128.*got 100"),
 ])
 def test_bad_attention_settings_are_named(settings, message):
