@@ -90,7 +90,11 @@ def _sum_fwd(h, w, y, vocab, chunk):
     hit = jnp.arange(vocab)[None, :] == yc[:, None]
     dz = (e * (1.0 / s)[:, None] - hit) * (1.0 - t * t)  # through the soft-cap
     dz = jnp.where((yc >= 0)[:, None], dz, 0.0).astype(h.dtype)
-    dw = dw + (hc.T @ dz).astype(jnp.float32)
+    # The product in float32 (bf16 operands), added in place: on GPU the add
+    # folds into the matmul's output (cuBLAS's beta = 1) instead of running as
+    # a [D, V] pass per chunk (d12 step on an H200: 0.961 -> 0.948 s), and no
+    # chunk's contribution is rounded to bf16 first.
+    dw = dw + jnp.matmul(hc.T, dz, preferred_element_type=jnp.float32)
     return dw, (jnp.sum(nll), dz @ wv.T)
 
   dw, (nll, dh) = jax.lax.scan(body, jnp.zeros((D, vocab), jnp.float32),
