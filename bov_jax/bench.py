@@ -1,6 +1,6 @@
 """Benchmarks (timing claims live here, never in tests).
 
-  python -m bov_jax.bench train  --config=FILE [--json] [--steps=N] [--config.k=v ...]
+  python -m bov_jax.bench train  --config=FILE [--json] [--steps=N] [--profile=DIR] [--config.k=v ...]
   python -m bov_jax.bench decode --config=FILE --contexts=256,1024 [--batch=B] [--json]
 
 `train` compiles the real train step once (random tokens, the config's
@@ -14,8 +14,13 @@ context length and reports the cache's allocated bytes and decode throughput.
 
 from __future__ import annotations
 
+import collections
+import glob
+import gzip
 import json
+import os
 import statistics
+import sys
 import time
 
 import jax
@@ -32,6 +37,9 @@ _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps (train) / decode steps p
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps after compilation.")
 _CONTEXTS = flags.DEFINE_string("contexts", "256,1024", "Context lengths (decode).")
 _BATCH = flags.DEFINE_integer("batch", 1, "Sequences decoded together (decode).")
+_PROFILE = flags.DEFINE_string("profile", None, "train: after timing, trace one more step "
+                               "with jax.profiler into this folder (TensorBoard/XProf, and a "
+                               "Perfetto JSON).")
 _REFERENCE = flags.DEFINE_enum("reference", None, ["torch", "torch_compiled"],
                                "train: also time the PyTorch transcription (needs torch), "
                                "eager or under torch.compile.")
@@ -99,7 +107,63 @@ def time_interleaved(runs: dict, steps: int, warmup: int, block: int = 5) -> dic
   return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def bench_train(cfg, steps: int, warmup: int, reference: str | None = None) -> list[dict]:
+KERNEL_KINDS = (  # what a kernel's name says it is (cuDNN, cuBLAS/CUTLASS, XLA's own)
+    ("attention", ("sdpa", "fmha", "flash")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "dot", "matmul", "wgmma")),
+    ("copy/transpose", ("copy", "transpose", "memcpy", "memset")),
+    ("reduce", ("reduce",)),
+    ("scatter/gather", ("scatter", "gather", "dynamic")),
+)
+HOST_WRAPPERS = ("$", "ThunkExecutor", "SlinkyThreadPool")  # CPU events that enclose ops
+
+
+def profile_summary(trace_dir: str, top: int = 25) -> str:
+  """A table of where one traced step's time went: the newest Perfetto trace under
+  trace_dir, on the accelerator's streams (or the CPU's XLA threads), summed by
+  kernel and by kind. jax.profiler writes the trace; nothing in jax tabulates it
+  without TensorBoard, which a headless TPU/GPU host usually lacks."""
+  files = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "perfetto_trace.json.gz"))
+  if not files:
+    return f"no perfetto_trace.json.gz under {trace_dir}/plugins/profile"
+  trace = json.load(gzip.open(max(files, key=os.path.getmtime)))
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  procs, threads = {}, {}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      procs[e["pid"]] = e["args"]["name"]
+    elif e.get("ph") == "M" and e.get("name") == "thread_name":
+      threads[e["pid"], e["tid"]] = e["args"]["name"]
+  device = {p for p, n in procs.items() if n.startswith("/device:")}
+  streams = {k for k, n in threads.items() if k[0] in device and "stream" in n.lower()}
+
+  def counted(e):
+    key = (e.get("pid"), e.get("tid"))
+    if streams:
+      return key in streams
+    if device:
+      return key[0] in device
+    return "XLA" in threads.get(key, "") and not e.get("name", "").startswith(HOST_WRAPPERS)
+
+  by_name, by_kind, by_thread = (collections.Counter() for _ in range(3))
+  for e in events:
+    if e.get("ph") == "X" and "dur" in e and counted(e):
+      name = e["name"]
+      by_thread[threads.get((e["pid"], e["tid"]), str(e["tid"]))] += e["dur"]
+      by_name[name] += e["dur"]
+      kind = next((k for k, words in KERNEL_KINDS if any(w in name.lower() for w in words)),
+                  "other (fused elementwise)")
+      by_kind[kind] += e["dur"]
+  total = sum(by_kind.values()) or 1.0
+  lines = [f"profile: {total / 1e3:.1f} ms of kernels/ops in one step ({trace_dir}), on "
+           + ", ".join(f"{n} {us / 1e3:.1f} ms" for n, us in by_thread.most_common(6))]
+  lines += [f"  {us / 1e3:9.2f} ms {us / total:6.1%}  {kind}" for kind, us in by_kind.most_common()]
+  lines += [f"  {us / 1e3:9.2f} ms {us / total:6.1%}  {name[:110]}"
+            for name, us in by_name.most_common(top)]
+  return "\n".join(lines)
+
+
+def bench_train(cfg, steps: int, warmup: int, reference: str | None = None,
+                profile: str | None = None) -> list[dict]:
   """The train record (last), after the reference's record when one is asked for."""
   run, rec = train_stepper(cfg)
   runs = {"bov_jax": run}
@@ -107,6 +171,10 @@ def bench_train(cfg, steps: int, warmup: int, reference: str | None = None) -> l
     from bov_jax import torch_reference  # imports torch
     runs["torch"], ref = torch_reference.make_step(cfg, compiled=reference == "torch_compiled")
   dt = time_interleaved(runs, steps, warmup)
+  if profile:
+    with jax.profiler.trace(profile, create_perfetto_trace=True):
+      run()
+    print(profile_summary(profile), file=sys.stderr, flush=True)
   tps = cfg.train.batch_tokens / dt["bov_jax"]
   rec.update(step_s=dt["bov_jax"], tokens_per_s=tps, achieved_flops=tps * rec["flops_per_token"],
              mfu=tps * rec["flops_per_token"] / rec["peak_flops"])
@@ -181,7 +249,8 @@ def main(argv):
   if _CONFIG.value is None:
     raise app.UsageError("--config=FILE is required")
   if argv[1] == "train":
-    for rec in bench_train(_CONFIG.value, _STEPS.value, _WARMUP.value, _REFERENCE.value):
+    for rec in bench_train(_CONFIG.value, _STEPS.value, _WARMUP.value, _REFERENCE.value,
+                           _PROFILE.value):
       _emit(rec, _JSON.value)
   else:
     contexts = [int(c) for c in _CONTEXTS.value.split(",") if c.strip()]

@@ -35,13 +35,15 @@ def test_bench_decode_lines_and_memory_formula():
     assert bov["tokens_per_s"] > 0
 
 
-def test_bench_train_fields():
+def test_bench_train_fields(tmp_path):
   (rec,) = _bench("train", *SMALL, "--steps=2", "--warmup=1", "--config.train.batch_tokens=1024",
-                  "--config.train.device_batch_size=8")
+                  "--config.train.device_batch_size=8", f"--profile={tmp_path}")
   for k in ("tokens_per_s", "flops_per_token", "achieved_flops", "peak_flops", "mfu"):
     assert rec[k] > 0
   assert abs(rec["achieved_flops"] - rec["tokens_per_s"] * rec["flops_per_token"]) < 1e-6 * rec[
       "achieved_flops"]
+  assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))  # --profile traced a step
+  assert list(tmp_path.glob("plugins/profile/*/perfetto_trace.json.gz"))
 
 
 def test_bench_train_against_the_torch_transcription():
@@ -54,3 +56,31 @@ def test_bench_train_against_the_torch_transcription():
   assert ref["preset"] == rec["preset"] == "gpt_base_v_from_value_emb_learn"
   assert ref["tokens_per_step"] == rec["tokens_per_step"] == 1024
   assert rec["speedup_vs_reference"] == rec["tokens_per_s"] / ref["tokens_per_s"]
+
+
+def test_profile_summary_counts_device_streams_by_kind(tmp_path):
+  """On an accelerator only the stream's kernels count (not the XLA-op rows that
+  enclose them), summed by name and by kind."""
+  import gzip
+  from bov_jax import bench
+  d = tmp_path / "plugins" / "profile" / "run1"
+  d.mkdir(parents=True)
+  meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
+          {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
+          {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}}]
+  kernels = [("nvjet_sm90_tst_128x160_NNT", 600), ("nvjet_sm90_tst_128x160_NNT", 300),
+             ("cudnn_generated_sdpa_flash_fprop", 200), ("loop_add_fusion_2", 100)]
+  events = meta + [{"ph": "X", "pid": 1, "tid": 7, "ts": i, "dur": d, "name": n}
+                   for i, (n, d) in enumerate(kernels)]
+  events += [{"ph": "X", "pid": 1, "tid": 8, "ts": 0, "dur": 5000, "name": "fusion.1"},
+             {"ph": "X", "pid": 2, "tid": 3, "ts": 0, "dur": 9000, "name": "$bench.py run"}]
+  with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  text = bench.profile_summary(str(tmp_path))
+  assert text.startswith("profile: 1.2 ms")
+  assert "0.90 ms  75.0%  matmul" in text
+  assert "0.20 ms  16.7%  attention" in text
+  assert "0.10 ms   8.3%  other (fused elementwise)" in text
+  assert "0.90 ms  75.0%  nvjet_sm90_tst_128x160_NNT" in text
+  assert "fusion.1" not in text and "bench.py run" not in text
