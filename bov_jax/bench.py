@@ -120,8 +120,9 @@ HOST_WRAPPERS = ("$", "ThunkExecutor", "SlinkyThreadPool")  # CPU events that en
 def profile_summary(trace_dir: str, top: int = 25) -> str:
   """A table of where one traced step's time went: the newest Perfetto trace under
   trace_dir, on the accelerator's streams (or the CPU's XLA threads), summed by
-  kernel and by kind. jax.profiler writes the trace; nothing in jax tabulates it
-  without TensorBoard, which a headless TPU/GPU host usually lacks."""
+  kernel and, on an accelerator, by kind. jax.profiler writes the trace; nothing
+  in jax tabulates it without TensorBoard, which a headless TPU/GPU host usually
+  lacks."""
   files = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "perfetto_trace.json.gz"))
   if not files:
     return f"no perfetto_trace.json.gz under {trace_dir}/plugins/profile"
@@ -153,10 +154,14 @@ def profile_summary(trace_dir: str, top: int = 25) -> str:
       kind = next((k for k, words in KERNEL_KINDS if any(w in name.lower() for w in words)),
                   "other (fused elementwise)")
       by_kind[kind] += e["dur"]
-  total = sum(by_kind.values()) or 1.0
+  total = sum(by_name.values()) or 1.0
   lines = [f"profile: {total / 1e3:.1f} ms of kernels/ops in one step ({trace_dir}), on "
            + ", ".join(f"{n} {us / 1e3:.1f} ms" for n, us in by_thread.most_common(6))]
-  lines += [f"  {us / 1e3:9.2f} ms {us / total:6.1%}  {kind}" for kind, us in by_kind.most_common()]
+  if device:
+    lines += [f"  {us / 1e3:9.2f} ms {us / total:6.1%}  {kind}"
+              for kind, us in by_kind.most_common()]
+  else:  # a CPU fusion's name ("ynn_fusion.2") says nothing of whether it holds a matmul
+    lines.append("  (by kind: accelerators only; XLA's CPU fusion names do not say what they compute)")
   lines += [f"  {us / 1e3:9.2f} ms {us / total:6.1%}  {name[:110]}"
             for name, us in by_name.most_common(top)]
   return "\n".join(lines)

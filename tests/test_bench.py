@@ -84,3 +84,23 @@ def test_profile_summary_counts_device_streams_by_kind(tmp_path):
   assert "0.10 ms   8.3%  other (fused elementwise)" in text
   assert "0.90 ms  75.0%  nvjet_sm90_tst_128x160_NNT" in text
   assert "fusion.1" not in text and "bench.py run" not in text
+
+
+def test_profile_summary_on_cpu_names_ops_without_guessing_kinds(tmp_path):
+  """On CPU, XLA's fusion names ("ynn_fusion.2") do not say what they compute, so
+  only the per-op table is printed; wrapper events are left out."""
+  import gzip
+  from bov_jax import bench
+  d = tmp_path / "plugins" / "profile" / "run1"
+  d.mkdir(parents=True)
+  events = [{"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 2, "tid": 3, "name": "thread_name", "args": {"name": "tf_XLAEigen/1"}},
+            {"ph": "X", "pid": 2, "tid": 3, "ts": 0, "dur": 700, "name": "ThunkExecutor::Execute"},
+            {"ph": "X", "pid": 2, "tid": 3, "ts": 0, "dur": 400, "name": "ynn_fusion.2"},
+            {"ph": "X", "pid": 2, "tid": 3, "ts": 400, "dur": 100, "name": "add_fusion"}]
+  with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  text = bench.profile_summary(str(tmp_path))
+  assert text.startswith("profile: 0.5 ms")
+  assert "0.40 ms  80.0%  ynn_fusion.2" in text
+  assert "ThunkExecutor" not in text and "matmul" not in text and "elementwise" not in text
