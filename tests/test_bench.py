@@ -58,13 +58,21 @@ def test_bench_train_against_the_torch_transcription():
   assert rec["speedup_vs_reference"] == rec["tokens_per_s"] / ref["tokens_per_s"]
 
 
-def test_profile_summary_counts_device_streams_by_kind(tmp_path):
-  """On an accelerator only the stream's kernels count (not the XLA-op rows that
-  enclose them), summed by name and by kind."""
+def _summary_of(tmp_path, events):
+  """bench.profile_summary of a Perfetto trace holding these events, laid out as
+  jax.profiler lays out its files."""
   import gzip
   from bov_jax import bench
   d = tmp_path / "plugins" / "profile" / "run1"
   d.mkdir(parents=True)
+  with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  return bench.profile_summary(str(tmp_path))
+
+
+def test_profile_summary_counts_device_streams_by_kind(tmp_path):
+  """On an accelerator only the stream's kernels count (not the XLA-op rows that
+  enclose them), summed by name and by kind."""
   meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
           {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
           {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
@@ -75,9 +83,7 @@ def test_profile_summary_counts_device_streams_by_kind(tmp_path):
                    for i, (n, d) in enumerate(kernels)]
   events += [{"ph": "X", "pid": 1, "tid": 8, "ts": 0, "dur": 5000, "name": "fusion.1"},
              {"ph": "X", "pid": 2, "tid": 3, "ts": 0, "dur": 9000, "name": "$bench.py run"}]
-  with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
-    json.dump({"traceEvents": events}, f)
-  text = bench.profile_summary(str(tmp_path))
+  text = _summary_of(tmp_path, events)
   assert text.startswith("profile: 1.2 ms")
   assert "0.90 ms  75.0%  matmul" in text
   assert "0.20 ms  16.7%  attention" in text
@@ -89,18 +95,12 @@ def test_profile_summary_counts_device_streams_by_kind(tmp_path):
 def test_profile_summary_on_cpu_names_ops_without_guessing_kinds(tmp_path):
   """On CPU, XLA's fusion names ("ynn_fusion.2") do not say what they compute, so
   only the per-op table is printed; wrapper events are left out."""
-  import gzip
-  from bov_jax import bench
-  d = tmp_path / "plugins" / "profile" / "run1"
-  d.mkdir(parents=True)
   events = [{"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
             {"ph": "M", "pid": 2, "tid": 3, "name": "thread_name", "args": {"name": "tf_XLAEigen/1"}},
             {"ph": "X", "pid": 2, "tid": 3, "ts": 0, "dur": 700, "name": "ThunkExecutor::Execute"},
             {"ph": "X", "pid": 2, "tid": 3, "ts": 0, "dur": 400, "name": "ynn_fusion.2"},
             {"ph": "X", "pid": 2, "tid": 3, "ts": 400, "dur": 100, "name": "add_fusion"}]
-  with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
-    json.dump({"traceEvents": events}, f)
-  text = bench.profile_summary(str(tmp_path))
+  text = _summary_of(tmp_path, events)
   assert text.startswith("profile: 0.5 ms")
   assert "0.40 ms  80.0%  ynn_fusion.2" in text
   assert "ThunkExecutor" not in text and "matmul" not in text and "elementwise" not in text
