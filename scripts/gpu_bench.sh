@@ -44,8 +44,7 @@ for run in "${runs[@]}"; do
     bov_d12_xla_attention) bench "$run" --config=$bov --config.model.attention=xla ;;
     bov_d12_batch32) bench "$run" --config=$bov --config.train.device_batch_size=32 ;;
     bov_d12_batch32_profile)
-      bench "$run" --config=$bov --config.train.device_batch_size=32 --profile=/tmp/bov_profile
-      cp /tmp/bov_profile/plugins/profile/*/perfetto_trace.json.gz "$out/" ;;
+      bench "$run" --config=$bov --config.train.device_batch_size=32 --profile="$out/profile" ;;
     bov_d12_batch32_no_triton_gemm)
       XLA_FLAGS=--xla_gpu_enable_triton_gemm=false bench "$run" --config=$bov \
         --config.train.device_batch_size=32 ;;
