@@ -64,6 +64,9 @@ def base_config() -> ml_collections.ConfigDict:
   t.checkpoint_every = 1000
   t.keep_checkpoints = 3
   t.sample_tokens = 64        # generated at the end of a run
+  t.compile_cache_dir = "~/.cache/bov_jax/jax"  # JAX's persistent compilation cache: a
+                              # restart or resume loads the compiled step ("" = off;
+                              # the JAX_COMPILATION_CACHE_DIR environment variable wins)
 
   c.optim = o = ml_collections.ConfigDict()
   o.embedding_lr = 0.3

@@ -34,6 +34,18 @@ def _print_json(obj) -> None:
   print(json.dumps(obj), flush=True)
 
 
+def _use_compile_cache(cfg) -> None:
+  """Turns on JAX's persistent compilation cache at train.compile_cache_dir, so that a
+  restart, a resume or a sweep's next run of the same step loads the executable instead
+  of compiling it again (minutes for a large model on a pod). JAX reads
+  JAX_COMPILATION_CACHE_DIR itself; when that is set, it wins."""
+  import os
+  path = cfg.train.compile_cache_dir
+  if path and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import jax
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+
+
 def run(mode: str, cfg, workdir: str | None) -> int:
   from bov_jax import config as config_lib
   try:
@@ -73,6 +85,8 @@ def main(argv):
                                 (_DISTRIBUTED.value == "auto" and _multi_host_env())):
     import jax
     jax.distributed.initialize()
+  if _MODE.value != "plan":
+    _use_compile_cache(_CONFIG.value)
   sys.exit(run(_MODE.value, _CONFIG.value, _WORKDIR.value))
 
 

@@ -133,6 +133,20 @@ def test_corrupt_checkpoint_falls_back_to_previous(tmp_path):
   assert [r["step"] for r in _metrics(wd)][-1] == 22
 
 
+def test_compile_cache_dir_keeps_the_compiled_step(tmp_path):
+  """train.compile_cache_dir turns JAX's persistent cache on (where the environment does not
+  name one), so a restart of the same run loads its step instead of compiling it."""
+  cache = tmp_path / "xla"
+  env = _env()
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  out = subprocess.run([sys.executable, "-m", "bov_jax.main", f"--workdir={tmp_path / 'run'}",
+                        *FAST, "--config.train.num_iterations=1", "--config.train.eval_every=100",
+                        "--config.train.sample_tokens=0", f"--config.train.compile_cache_dir={cache}"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert cache.is_dir() and any(cache.iterdir()), "no executable was written to the cache"
+
+
 def test_nan_loss_stops_with_step_and_checkpoint(tmp_path):
   out = _main(str(tmp_path / "nan"), "--config.train.num_iterations=30",
               "--config.train.checkpoint_every=1", "--config.optim.embedding_lr=1e30",
