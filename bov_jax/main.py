@@ -41,9 +41,18 @@ def _use_compile_cache(cfg) -> None:
   JAX_COMPILATION_CACHE_DIR itself; when that is set, it wins."""
   import os
   path = cfg.train.compile_cache_dir
-  if path and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import jax
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+  if not path or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+    return
+  path = os.path.expanduser(path)
+  if "://" not in path:  # a local directory: make it, and say once if it cannot be used
+    try:
+      os.makedirs(path, exist_ok=True)
+    except OSError as e:
+      print(f"warning: train.compile_cache_dir={path!r} is unusable ({e}); compiling without "
+            "the cache", file=sys.stderr)
+      return
+  import jax
+  jax.config.update("jax_compilation_cache_dir", path)
 
 
 def run(mode: str, cfg, workdir: str | None) -> int:
