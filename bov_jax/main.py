@@ -34,27 +34,6 @@ def _print_json(obj) -> None:
   print(json.dumps(obj), flush=True)
 
 
-def _use_compile_cache(cfg) -> None:
-  """Turns on JAX's persistent compilation cache at train.compile_cache_dir, so that a
-  restart, a resume or a sweep's next run of the same step loads the executable instead
-  of compiling it again (minutes for a large model on a pod). JAX reads
-  JAX_COMPILATION_CACHE_DIR itself; when that is set, it wins."""
-  import os
-  path = cfg.train.compile_cache_dir
-  if not path or "JAX_COMPILATION_CACHE_DIR" in os.environ:
-    return
-  path = os.path.expanduser(path)
-  if "://" not in path:  # a local directory: make it, and say once if it cannot be used
-    try:
-      os.makedirs(path, exist_ok=True)
-    except OSError as e:
-      print(f"warning: train.compile_cache_dir={path!r} is unusable ({e}); compiling without "
-            "the cache", file=sys.stderr)
-      return
-  import jax
-  jax.config.update("jax_compilation_cache_dir", path)
-
-
 def run(mode: str, cfg, workdir: str | None) -> int:
   from bov_jax import config as config_lib
   try:
@@ -95,7 +74,8 @@ def main(argv):
     import jax
     jax.distributed.initialize()
   if _MODE.value != "plan":
-    _use_compile_cache(_CONFIG.value)
+    from bov_jax import train
+    train.use_compile_cache(_CONFIG.value)
   sys.exit(run(_MODE.value, _CONFIG.value, _WORKDIR.value))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -133,6 +134,25 @@ class Run:
   num_iterations: int
   flops_per_token: int
   hp: dict
+
+
+def use_compile_cache(cfg) -> None:
+  """Turns on JAX's persistent compilation cache at train.compile_cache_dir, so that a
+  restart, a resume or a sweep's next run of the same step loads the executable instead
+  of compiling it again (minutes for a large model on a pod). JAX reads
+  JAX_COMPILATION_CACHE_DIR itself; when that is set, it wins."""
+  path = cfg.train.compile_cache_dir
+  if not path or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+    return
+  path = os.path.expanduser(path)
+  if "://" not in path:  # a local directory: make it, and say once if it cannot be used
+    try:
+      os.makedirs(path, exist_ok=True)
+    except OSError as e:
+      print(f"warning: train.compile_cache_dir={path!r} is unusable ({e}); compiling without "
+            "the cache", file=sys.stderr)
+      return
+  jax.config.update("jax_compilation_cache_dir", path)
 
 
 def _is_main() -> bool:

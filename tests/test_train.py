@@ -149,13 +149,12 @@ def test_compile_cache_dir_keeps_the_compiled_step(tmp_path):
 
 def test_unusable_compile_cache_dir_is_named_and_skipped(monkeypatch, capsys, tmp_path):
   from bov_jax import config as config_lib
-  from bov_jax import main as main_lib
   monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
   blocker = tmp_path / "a_file"
   blocker.write_text("")
   cfg = config_lib.base_config()
   cfg.train.compile_cache_dir = str(blocker / "cache")  # under a file: cannot be made
-  main_lib._use_compile_cache(cfg)
+  train.use_compile_cache(cfg)
   err = capsys.readouterr().err
   assert f"train.compile_cache_dir='{blocker / 'cache'}' is unusable" in err
   assert jax.config.jax_compilation_cache_dir is None  # left off, not half on
