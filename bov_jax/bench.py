@@ -145,19 +145,19 @@ def profile_summary(trace_dir: str, top: int = 25) -> str:
       return key[0] in device
     return "XLA" in threads.get(key, "") and not e.get("name", "").startswith(HOST_WRAPPERS)
 
-  by_name, by_kind, by_thread = (collections.Counter() for _ in range(3))
+  by_name, by_thread = collections.Counter(), collections.Counter()
   for e in events:
     if e.get("ph") == "X" and "dur" in e and counted(e):
-      name = e["name"]
       by_thread[threads.get((e["pid"], e["tid"]), str(e["tid"]))] += e["dur"]
-      by_name[name] += e["dur"]
-      kind = next((k for k, words in KERNEL_KINDS if any(w in name.lower() for w in words)),
-                  "other (fused elementwise)")
-      by_kind[kind] += e["dur"]
+      by_name[e["name"]] += e["dur"]
   total = sum(by_name.values()) or 1.0
   lines = [f"profile: {total / 1e3:.1f} ms of kernels/ops in one step ({trace_dir}), on "
            + ", ".join(f"{n} {us / 1e3:.1f} ms" for n, us in by_thread.most_common(6))]
   if device:
+    by_kind = collections.Counter()
+    for name, us in by_name.items():
+      by_kind[next((k for k, words in KERNEL_KINDS if any(w in name.lower() for w in words)),
+                   "other (fused elementwise)")] += us
     lines += [f"  {us / 1e3:9.2f} ms {us / total:6.1%}  {kind}"
               for kind, us in by_kind.most_common()]
   else:  # a CPU fusion's name ("ynn_fusion.2") says nothing of whether it holds a matmul

@@ -32,9 +32,9 @@ def _env():
   return env
 
 
-def _main(workdir, *extra, timeout=600):
+def _main(workdir, *extra, timeout=600, env=None):
   return subprocess.run([sys.executable, "-m", "bov_jax.main", f"--workdir={workdir}", *FAST,
-                         *extra], capture_output=True, text=True, cwd=ROOT, env=_env(),
+                         *extra], capture_output=True, text=True, cwd=ROOT, env=env or _env(),
                         timeout=timeout)
 
 
@@ -139,10 +139,9 @@ def test_compile_cache_dir_keeps_the_compiled_step(tmp_path):
   cache = tmp_path / "xla"
   env = _env()
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  out = subprocess.run([sys.executable, "-m", "bov_jax.main", f"--workdir={tmp_path / 'run'}",
-                        *FAST, "--config.train.num_iterations=1", "--config.train.eval_every=100",
-                        "--config.train.sample_tokens=0", f"--config.train.compile_cache_dir={cache}"],
-                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+  out = _main(tmp_path / "run", "--config.train.num_iterations=1", "--config.train.eval_every=100",
+              "--config.train.sample_tokens=0", f"--config.train.compile_cache_dir={cache}",
+              env=env)
   assert out.returncode == 0, out.stderr[-2000:]
   assert cache.is_dir() and any(cache.iterdir()), "no executable was written to the cache"
 
