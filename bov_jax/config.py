@@ -42,6 +42,8 @@ def base_config() -> ml_collections.ConfigDict:
                               # (cache-sized chunks measured fastest), 2048 elsewhere
   m.table_lookup = "auto"     # auto | shard_map | gather | one_hot (see sharding.py)
   m.attention = "auto"        # auto | xla | cudnn | blocks | splash (see attention.py)
+  m.decode_attention = "auto" # auto | xla | fused: a bank layer's decode step with the
+                              # table gather inside the attention kernel (bank_decode.py)
   m.remat = "none"            # none | dots | dots_no_batch | full: what each layer's
                               # backward recomputes instead of storing (model.REMAT)
   m.value = v = ml_collections.ConfigDict()
@@ -179,6 +181,10 @@ def validate(cfg) -> values.ValueMode:
   if m.attention == "splash" and not attention.splash_fits(m.sequence_len):
     raise ConfigError(f"model.attention='splash' needs model.sequence_len to be a multiple of "
                       f"{attention.SPLASH_BLOCK} (Splash's block rows); got {m.sequence_len}")
+  from bov_jax import bank_decode
+  if m.get("decode_attention", "auto") not in bank_decode.IMPLS:
+    raise ConfigError(f"model.decode_attention={m.decode_attention!r}: expected one of "
+                      f"{', '.join(bank_decode.IMPLS)}")
   if m.remat not in REMAT_POLICIES:
     raise ConfigError(f"model.remat={m.remat!r}: expected one of {', '.join(REMAT_POLICIES)}")
   if m.loss_chunk < 0:

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from bov_jax import attention
+from bov_jax import bank_decode
 from bov_jax import model as model_lib
 from bov_jax import sharding
 from bov_jax import values
@@ -106,6 +107,16 @@ def _cached_values(model, i, cache):
   return values.combine(lv, None, attention.kv_rows(rows), coeffs)
 
 
+def _fused_bank(model, i, context) -> bool:
+  """Whether layer i's decode step runs `bank_decode`'s kernel (a bank layer whose
+  gather it fuses; `model.decode_attention`)."""
+  if i not in bank_layers(model):
+    return False
+  a = model.blocks[i].attn
+  return bank_decode.resolve(model.decode_attention, context, a.head_dim,
+                             model.table_lookup) == "fused"
+
+
 def _write(buf, new, start):
   """buf[n, start[n]:start[n]+T] = new[n] for every row n."""
   return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0))(
@@ -139,8 +150,14 @@ def forward_cached(model, idx_BT, cache):
     cache["k"][i] = _write(cache["k"][i], attention.kv_rows(k), start_N)
     if stores_values(model.plan[i]):
       cache["v"][str(i)] = _write(cache["v"][str(i)], attention.kv_rows(v), start_N)
-    v_all = _cached_values(model, i, cache)
-    y = attention.attend(q, cache["k"][i], v_all, pos, kpos, block.attn.window)
+    if T == 1 and _fused_bank(model, i, S):
+      coeffs = block.attn.coeffs
+      y = bank_decode.attend(q, cache["k"][i], cache["ids"], model.tables[model.table_of[i]][...],
+                             start, block.attn.window,
+                             coeffs["gamma"][...] if "gamma" in coeffs else None)
+    else:
+      v_all = _cached_values(model, i, cache)
+      y = attention.attend(q, cache["k"][i], v_all, pos, kpos, block.attn.window)
     x = x + block.attn.output(y)
     x = x + block.mlp(model_lib.rmsnorm(x))
   logits = model.logits(model_lib.rmsnorm(x))

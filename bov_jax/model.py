@@ -189,6 +189,7 @@ class GPT(nnx.Module):
     self.table_lookup = m.table_lookup
     self.remat = m.remat
     self.attention_impl = m.attention
+    self.decode_attention = m.get("decode_attention", "auto")
     self.loss_chunk = m.loss_chunk or (256 if jax.default_backend() == "cpu" else 2048)
     Vp = values.padded_vocab(m.vocab_size)
     D = m.n_embd

@@ -161,7 +161,7 @@ def _host_take(table, idx):
   return jax.device_put(rows, _memory("device"))
 
 
-def _table_axes(mesh, n_rows: int):
+def table_axes(mesh, n_rows: int):
   """The mesh axes the table's vocabulary is split over (what RULES gives it)."""
   spec = logical_to_spec(("table_vocab", None), (n_rows, 1), mesh)[0]
   if spec is None:
@@ -178,7 +178,7 @@ def table_lookup(table_VD, idx_BT, impl: str = "auto"):
     return jax.nn.one_hot(idx_BT, table_VD.shape[0], dtype=table_VD.dtype) @ table_VD
   if mesh.empty or impl == "gather":
     return jnp.take(table_VD, idx_BT, axis=0)
-  vocab_axes = _table_axes(mesh, table_VD.shape[0])
+  vocab_axes = table_axes(mesh, table_VD.shape[0])
   if not vocab_axes:
     return jnp.take(table_VD, idx_BT, axis=0)
   batch_axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)

@@ -1,0 +1,161 @@
+"""The fused bank-layer decode kernel: equal to gathering the values and attending,
+whole or over a vocab-split table, inside generation, and lowerable for TPU."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from bov_jax import attention
+from bov_jax import bank_decode
+from bov_jax import config as config_lib
+from bov_jax import inference
+from bov_jax import model as model_lib
+from bov_jax import sharding
+from tests.helpers import small_config
+
+
+@dataclasses.dataclass
+class Case:
+  B: int = 3
+  K: int = 2
+  G: int = 2
+  E: int = 128
+  S: int = 256
+  V: int = 192
+
+
+def _inputs(c: Case, seed=0, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.normal(size=(c.B, 1, c.K * c.G, c.E)), dtype)
+  k = jnp.asarray(rng.normal(size=(c.B * c.K, c.S, c.E)), dtype)
+  ids = jnp.asarray(rng.integers(0, c.V, size=(c.B, c.S)), jnp.int32)
+  table = jnp.asarray(rng.normal(size=(c.V, c.K * c.E)), jnp.float32)
+  qpos = jnp.asarray([0, 127, 200][:c.B], jnp.int32)  # first row, a block's last, a later block
+  return q, k, ids, table, qpos
+
+
+def _gather_then_attend(q, k, ids, table, qpos, window, gamma):
+  B, S = ids.shape
+  K = k.shape[0] // B
+  rows = (gamma * table[ids]).reshape(B, S, K, -1).astype(k.dtype)
+  return attention.attend(q, k, attention.kv_rows(rows), qpos[:, None],
+                          jnp.broadcast_to(jnp.arange(S), (B, S)), window)
+
+
+@pytest.mark.parametrize("window", [10_000, 100, 3])
+def test_fused_step_equals_gather_then_attend(window):
+  """Full causal, a window that starts mid-block and crosses a block edge, and one
+  that sees four keys; a query at position 0 sees only itself."""
+  c = Case()
+  q, k, ids, table, qpos = _inputs(c)
+  gamma = jnp.float32(0.7)
+  got = jax.jit(lambda *a: bank_decode.attend(*a, window=window, gamma=gamma))(
+      q, k, ids, table, qpos)
+  want = _gather_then_attend(q, k, ids, table, qpos, window, gamma)
+  assert got.shape == (c.B, 1, c.K * c.G * c.E)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
+def test_positions_past_the_query_do_not_count():
+  """Slots after the query's position hold stale keys and ids; changing them
+  changes nothing (the causal test hides them, and their blocks are skipped)."""
+  c = Case(B=1)
+  q, k, ids, table, _ = _inputs(c)
+  qpos = jnp.asarray([130], jnp.int32)
+  f = jax.jit(lambda *a: bank_decode.attend(*a, window=10_000))
+  a = f(q, k, ids, table, qpos)
+  b = f(q, k.at[:, 131:].set(50.0), ids.at[:, 131:].set(0), table, qpos)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 1), (2, 2, 2)])
+def test_vocab_split_table_equals_whole(shape):
+  """Under a mesh the table's vocabulary is split (RULES); each shard gathers its
+  own rows and the partial outputs add up to the whole."""
+  c = Case(V=256)
+  q, k, ids, table, qpos = _inputs(c, seed=1)
+  cfg = small_config()
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = shape
+  mesh = sharding.make_mesh(cfg)
+  spec = sharding.logical_to_spec(("table_vocab", "kv_heads"), table.shape, mesh)
+  assert spec[0] is not None  # the case under test: a split vocabulary
+  want = _gather_then_attend(q, k, ids, table, qpos, 100, 1.0)
+  with jax.set_mesh(mesh):
+    t = jax.device_put(table, NamedSharding(mesh, spec))
+    got = jax.jit(lambda *a: bank_decode.attend(*a, window=100))(q, k, ids, t, qpos)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_kernel_lowers_for_tpu(split):
+  """Pallas's TPU lowering (block shapes against (8, 128) tiles, SMEM blocks, DMA
+  slices) runs on any host through jax.export; Mosaic's own compile needs a TPU."""
+  c = Case()
+  q, k, ids, table, qpos = _inputs(c, dtype=jnp.bfloat16)
+  N = c.B * c.K
+
+  def f(q, k, ids, table, qpos):
+    return bank_decode._call(q.reshape(N, c.G, c.E), k, ids, table, qpos,
+                             jnp.zeros((1,), jnp.int32), window=100, split=split,
+                             interpret=False)
+
+  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, ids, table, qpos)]
+  module = jax.export.export(jax.jit(f), platforms=["tpu"])(*shapes).mlir_module()
+  assert "tpu_custom_call" in module
+
+
+def _bov(decode_attention, **kw):
+  cfg = small_config(sequence_len=128, **kw)
+  cfg.model.decode_attention = decode_attention
+  m = model_lib.init_model(cfg, jax.random.key(0))
+  state = nnx.state(m)
+  leaves, tree = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  nnx.update(m, jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape)
+                                          for x, k in zip(leaves, keys)]))
+  return nnx.split(m)
+
+
+def test_generation_with_the_kernel_equals_xla():
+  """A BoV model (banks in layers 4 and 5, GQA, 8-token sliding windows) decodes
+  the same tokens, and each step the same logits, with either path."""
+  g_xla, state = _bov("xla")
+  g_fused, _ = _bov("fused")
+  params = nnx.to_pure_dict(state)
+  assert inference._fused_bank(nnx.merge(g_fused, state), 5, 128)
+  assert not inference._fused_bank(nnx.merge(g_fused, state), 3, 128)  # stores its values
+  prompts = jnp.asarray([[5, 17, 3, 99, 0, 0], [8, 1, 2, 3, 4, 5]], jnp.int32)
+  lengths = jnp.asarray([4, 6])
+  run = lambda g: np.asarray(inference.generate(g, params, prompts, lengths, jax.random.key(0),
+                                                context=128, max_new_tokens=24))
+  np.testing.assert_array_equal(run(g_fused), run(g_xla))
+
+  @jax.jit
+  def steps(s, toks):
+    out = []
+    for g in (g_xla, g_fused):
+      m = nnx.merge(g, s)
+      logits, cache = inference.forward_cached(m, prompts, inference.init_cache(m, 2, 128))
+      for t in range(toks.shape[1]):
+        logits, cache = inference.forward_cached(m, toks[:, t:t + 1], cache)
+      out.append(logits)
+    return out
+
+  a, b = steps(state, jnp.asarray([[7, 9, 11], [2, 4, 6]], jnp.int32))
+  np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5, rtol=1e-5)
+
+
+def test_resolve_and_config():
+  assert bank_decode.resolve("auto", 256, 128, "auto") == "xla"  # CPU: the gather path
+  assert bank_decode.resolve("fused", 256, 64, "auto") == "fused"
+  assert bank_decode.resolve("fused", 200, 128, "auto") == "xla"  # not whole blocks
+  assert bank_decode.resolve("fused", 256, 128, "host") == "xla"  # tables in host memory
+  assert bank_decode.fits(1024, 128) and not bank_decode.fits(1024, 64)
+  cfg = small_config()
+  cfg.model.decode_attention = "pallas"
+  with pytest.raises(config_lib.ConfigError, match="model.decode_attention='pallas'"):
+    config_lib.validate(cfg)
