@@ -5,8 +5,7 @@ A bank layer caches no values: its value at cached position s is gamma * E[ids[s
 gathers the rows of all cached positions into a [B * K, S, E] buffer in HBM and
 attention reads that buffer back: the rows cross HBM three times, where a layer
 with a stored value cache reads them once. This kernel reads each row once,
-straight from the table into VMEM by DMA, while the block's scores are computed,
-so a bank layer decodes at the memory traffic of a stored-value layer with a
+straight from the table into VMEM by DMA, a block ahead of its use, so a bank layer decodes at the memory traffic of a stored-value layer with a
 cache that holds only ids.
 
 `model.decode_attention` picks it: `auto` takes it on TPU when it fits (`fits`),
@@ -59,12 +58,13 @@ def resolve(impl: str, context: int, head_dim: int, table_lookup: str) -> str:
   return impl
 
 
-def _kernel(qpos_ref, vstart_ref, ids_ref, q_ref, k_ref, table_ref, o_ref,
-            vbuf, sem, m_ref, l_ref, acc_ref, *, K, window, local_rows, split):
+def _kernel(qpos_ref, vstart_ref, ids_ref, ids_next_ref, q_ref, k_ref, table_ref, o_ref,
+            vbuf, sems, m_ref, l_ref, acc_ref, *, K, window, local_rows, split):
   n, j = pl.program_id(0), pl.program_id(1)
   b, h = _div(n, K), jax.lax.rem(n, np.int32(K))
   qpos = qpos_ref[b]
   lo, hi = _block_range(qpos, window)
+  slot = jax.lax.rem(jnp.maximum(j - lo, 0), np.int32(2))  # vbuf half holding block j's rows
 
   @pl.when(j == 0)
   def _init():
@@ -72,19 +72,30 @@ def _kernel(qpos_ref, vstart_ref, ids_ref, q_ref, k_ref, table_ref, o_ref,
     l_ref[...] = jnp.zeros_like(l_ref)
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  def row_of(r):
-    tok = ids_ref[0, r] - vstart_ref[0]
+  def row_of(ids, r):
+    tok = ids[0, r] - vstart_ref[0]
     mine = (tok >= 0) & (tok < local_rows)
     return jnp.where(mine, tok, 0) * K + h, mine
 
-  def copy(r):
-    return pltpu.make_async_copy(table_ref.at[pl.ds(row_of(r)[0], 1)],
-                                 vbuf.at[pl.ds(r, 1)], sem)
+  def copy(ids, r, half):
+    return pltpu.make_async_copy(table_ref.at[pl.ds(row_of(ids, r)[0], 1)],
+                                 vbuf.at[half, pl.ds(r, 1)], sems.at[half])
+
+  def request(ids, half):
+    jax.lax.fori_loop(0, BLOCK, lambda r, c: (copy(ids, r, half).start(), c)[1], 0)
+
+  # Rows are requested a block ahead: block j + 1's DMAs run while block j is
+  # computed, so after the first block the scores never wait on a gather.
+  @pl.when(j == lo)
+  def _first():
+    request(ids_ref, slot)
+
+  @pl.when((j >= lo) & (j < hi))
+  def _ahead():
+    request(ids_next_ref, 1 - slot)
 
   @pl.when((j >= lo) & (j <= hi))
   def _block():
-    # The value rows are requested first, so their DMAs overlap the scores.
-    jax.lax.fori_loop(0, BLOCK, lambda r, c: (copy(r).start(), c)[1], 0)
     q = q_ref[...].astype(jnp.float32)
     k = k_ref[...].astype(jnp.float32)
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
@@ -100,15 +111,16 @@ def _kernel(qpos_ref, vstart_ref, ids_ref, q_ref, k_ref, table_ref, o_ref,
     l_ref[...] = jnp.broadcast_to(alpha * l_ref[...][:, :1] + jnp.sum(p, axis=1, keepdims=True),
                                   l_ref.shape)
     m_ref[...] = jnp.broadcast_to(m_next, m_ref.shape)
-    jax.lax.fori_loop(0, BLOCK, lambda r, c: (copy(r).wait(), c)[1], 0)
+    jax.lax.fori_loop(0, BLOCK, lambda r, c: (copy(ids_ref, r, slot).wait(), c)[1], 0)
+    rows = vbuf.at[slot]
     if split:  # rows another shard holds count as zero here; the psum adds them
       def clear(r, c):
-        @pl.when(jnp.logical_not(row_of(r)[1]))
+        @pl.when(jnp.logical_not(row_of(ids_ref, r)[1]))
         def _():
-          vbuf[pl.ds(r, 1), :] = jnp.zeros((1, vbuf.shape[1]), vbuf.dtype)
+          rows[pl.ds(r, 1), :] = jnp.zeros((1, rows.shape[1]), rows.dtype)
         return c
       jax.lax.fori_loop(0, BLOCK, clear, 0)
-    v = vbuf[...].astype(jnp.float32)
+    v = rows[...].astype(jnp.float32)
     acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v, preferred_element_type=jnp.float32)
 
   @pl.when(j == pl.num_programs(1) - 1)
@@ -153,14 +165,18 @@ def _call(q_NGE, k_NSE, ids_BS, table_VF, qpos_B, vstart, *, window, split, inte
               pl.BlockSpec((None, 1, BLOCK),
                            lambda n, j, qp, vs: (_div(n, K) * nb + key_block(n, j, qp, vs), 0, 0),
                            memory_space=pltpu.SMEM),
+              pl.BlockSpec((None, 1, BLOCK),  # the next block's ids, for the rows ahead
+                           lambda n, j, qp, vs: (_div(n, K) * nb + key_block(n, j + 1, qp, vs),
+                                                 0, 0),
+                           memory_space=pltpu.SMEM),
               pl.BlockSpec((None, G, E), lambda n, j, qp, vs: (n, 0, 0)),
               pl.BlockSpec((None, BLOCK, E), lambda n, j, qp, vs: (n, key_block(n, j, qp, vs), 0)),
               pl.BlockSpec(memory_space=pl.ANY),
           ],
           out_specs=pl.BlockSpec((None, G, E), lambda n, j, qp, vs: (n, 0, 0)),
           scratch_shapes=[
-              pltpu.VMEM((BLOCK, E), table_VF.dtype),
-              pltpu.SemaphoreType.DMA(()),
+              pltpu.VMEM((2, BLOCK, E), table_VF.dtype),
+              pltpu.SemaphoreType.DMA((2,)),
               pltpu.VMEM((G, LANES), jnp.float32),
               pltpu.VMEM((G, LANES), jnp.float32),
               pltpu.VMEM((G, E), jnp.float32),
@@ -168,7 +184,7 @@ def _call(q_NGE, k_NSE, ids_BS, table_VF, qpos_B, vstart, *, window, split, inte
       out_shape=jax.ShapeDtypeStruct((N, G, E), q_NGE.dtype),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       interpret=interpret,
-  )(qpos_B.astype(jnp.int32), vstart, ids_R1C, q_NGE, k_NSE, table_RE)
+  )(qpos_B.astype(jnp.int32), vstart, ids_R1C, ids_R1C, q_NGE, k_NSE, table_RE)
 
 
 def attend(q_BTHE, k_NSE, ids_BS, table_VF, qpos_B, window: int, gamma=None):
