@@ -1,25 +1,32 @@
-"""One decode step's attention in a bank layer, with the table gather fused in (Pallas, TPU).
+"""One decode step's attention in a bank layer, with the table gather fused in (Pallas).
 
 A bank layer caches no values: its value at cached position s is gamma * E[ids[s]]
 (SPEC section 7). Written in XLA (`inference._cached_values`), every decode step
 gathers the rows of all cached positions into a [B * K, S, E] buffer in HBM and
 attention reads that buffer back: the rows cross HBM three times, where a layer
-with a stored value cache reads them once. This kernel reads each row once,
-straight from the table into VMEM by DMA, a block ahead of its use, so a bank layer decodes at the memory traffic of a stored-value layer with a
-cache that holds only ids.
+with a stored value cache reads them once. These kernels read each row once,
+straight from the table, so a bank layer decodes at the memory traffic of a
+stored-value layer with a cache that holds only ids.
 
-`model.decode_attention` picks it: `auto` takes it on TPU when it fits (`fits`),
-`fused` asks for it anywhere (off TPU it runs in the Pallas interpreter: slow, for
-tests), `xla` keeps the gather-then-attend path. Its speed on a TPU is not
-measured (docs/performance.md): no TPU was available.
+  tpu  (Mosaic) grid (row, 128-position block); one DMA per cached position from
+       its table row into VMEM, a block ahead of its use (double buffer).
+  gpu  (Triton) grid (row, 16 splits of the cache), each split looping over
+       64-position blocks whose value rows it loads by pointer (a gather load);
+       the splits' partial softmaxes are joined after (flash decoding).
+
+`model.decode_attention` picks: `auto` is the TPU kernel on TPU when it fits
+(`fits`) and XLA's gather elsewhere; `fused` asks for the backend's kernel (off
+TPU and GPU, the TPU kernel in the Pallas interpreter: slow, for tests); `xla`
+keeps the gather-then-attend path. Neither kernel's speed is measured
+(docs/performance.md): no TPU here, and no GPU was lent since they were written.
+`scripts/gpu_bench.sh decode_test decode_xla decode_fused` measures the GPU one.
 
 Layout (as `attention.attend` takes it): rows n = b * K + h, one per sequence b
-and kv head h; G query heads per kv head. Grid (row, key block); a key block
-outside the query's window is neither fetched nor computed (the index maps hold
-the last block the window reaches, so the pipeline fetches nothing new). With a
-vocab-split table (under a mesh) each shard gathers only its own rows, the
-others count as zero, and the partial outputs (normalised by the full softmax,
-which every shard computes alike from the same keys) are summed with `psum`.
+and kv head h; G query heads per kv head. A key block outside the query's window
+is neither fetched nor computed. With a vocab-split table (under a mesh) each
+shard gathers only its own rows, the others count as zero, and the partial
+outputs (normalised by the full softmax, which every shard computes alike from
+the same keys) are summed with `psum`.
 """
 
 from __future__ import annotations
@@ -32,33 +39,44 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
 from bov_jax import sharding
 
 IMPLS = ("auto", "xla", "fused")
-BLOCK = 128  # cached positions per grid step: one 128-row key tile, 128 row DMAs
-LANES = 128  # running max and sum are kept lane-replicated, as TPU flash kernels do
+BLOCK = 128  # TPU: cached positions per grid step: one 128-row key tile, 128 row DMAs
+LANES = 128  # TPU: running max and sum are kept lane-replicated, as TPU flash kernels do
+GPU_BLOCK = 64  # GPU: cached positions per loop step
+GPU_SPLITS = 16  # GPU: programs per (sequence, kv head), each over a 16th of the cache,
+                 # so a batch of one still fills the SMs (flash decoding's split-K)
+GPU_ROWS = 16  # GPU: query heads padded to 16 rows, Triton's smallest dot
+MASKED = -0.7 * float(np.finfo(np.float32).max)  # finite: no inf - inf in the GPU kernel
 
 
-def fits(context: int, head_dim: int) -> bool:
-  """What the kernel takes: whole 128-position blocks and lane-wide head dims."""
+def fits(context: int, head_dim: int, backend: str = "tpu") -> bool:
+  """What the backend's kernel takes. TPU: whole 128-position blocks and
+  lane-wide head dims. GPU (Triton): whole 64-position blocks and power-of-two
+  head dims of at least 16 (Triton's tensor shapes and dot sizes)."""
+  if backend == "gpu":
+    return context % GPU_BLOCK == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
   return context % BLOCK == 0 and head_dim % 128 == 0
 
 
 def resolve(impl: str, context: int, head_dim: int, table_lookup: str) -> str:
-  """`fused` or `xla` for this cache. Tables kept in host memory are always
-  gathered by XLA (`sample.tables_on_host`)."""
-  if table_lookup == "host":
+  """`fused` or `xla` for this cache. `auto` is `fused` on TPU only: the GPU
+  kernel is there to be measured (scripts/gpu_bench.sh) before it becomes the
+  default. A cache the backend's kernel does not fit, and tables kept in host
+  memory (`sample.tables_on_host`), take `xla`."""
+  backend = "gpu" if jax.default_backend() == "gpu" else "tpu"
+  if table_lookup == "host" or not fits(context, head_dim, backend):
     return "xla"
   if impl == "auto":
-    return "fused" if jax.default_backend() == "tpu" and fits(context, head_dim) else "xla"
-  if impl == "fused" and context % BLOCK:
-    return "xla"
+    return "fused" if jax.default_backend() == "tpu" else "xla"
   return impl
 
 
-def _kernel(qpos_ref, vstart_ref, ids_ref, ids_next_ref, q_ref, k_ref, table_ref, o_ref,
+def _tpu_kernel(qpos_ref, vstart_ref, ids_ref, ids_next_ref, q_ref, k_ref, table_ref, o_ref,
             vbuf, sems, m_ref, l_ref, acc_ref, *, K, window, local_rows, split):
   n, j = pl.program_id(0), pl.program_id(1)
   b, h = _div(n, K), jax.lax.rem(n, np.int32(K))
@@ -140,7 +158,7 @@ def _div(a, d: int):
   return jax.lax.div(a, np.int32(d))
 
 
-def _call(q_NGE, k_NSE, ids_BS, table_VF, qpos_B, vstart, *, window, split, interpret):
+def _call_tpu(q_NGE, k_NSE, ids_BS, table_VF, qpos_B, vstart, *, window, split, interpret):
   N, G, E = q_NGE.shape
   B, S = ids_BS.shape
   K = N // B
@@ -155,7 +173,7 @@ def _call(q_NGE, k_NSE, ids_BS, table_VF, qpos_B, vstart, *, window, split, inte
     lo, hi = _block_range(qpos[_div(n, K)], window)
     return jnp.clip(j, lo, hi)
 
-  kernel = functools.partial(_kernel, K=K, window=window, local_rows=V, split=split)
+  kernel = functools.partial(_tpu_kernel, K=K, window=window, local_rows=V, split=split)
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -187,13 +205,92 @@ def _call(q_NGE, k_NSE, ids_BS, table_VF, qpos_B, vstart, *, window, split, inte
   )(qpos_B.astype(jnp.int32), vstart, ids_R1C, ids_R1C, q_NGE, k_NSE, table_RE)
 
 
-def attend(q_BTHE, k_NSE, ids_BS, table_VF, qpos_B, window: int, gamma=None):
+def _gpu_kernel(qpos_ref, vstart_ref, ids_ref, q_ref, k_ref, table_ref, o_ref, l_ref, m_ref,
+                *, K, window, local_rows, split, per_split):
+  """One (row, split) program: the split's blocks inside the query's window, each
+  gathered from the table by pointer (Triton's gather load) as it is used."""
+  n, sp = pl.program_id(0), pl.program_id(1)
+  h = jax.lax.rem(n, np.int32(K))
+  qpos = qpos_ref[0]
+  first = _div(jnp.maximum(jnp.maximum(qpos - window, 0), sp * per_split), GPU_BLOCK)
+  last = _div(jnp.minimum(qpos, (sp + 1) * per_split - 1), GPU_BLOCK)  # may be < first
+  q = q_ref[...]
+  scale = 1.0 / math.sqrt(q.shape[-1])
+
+  def body(blk, carry):
+    o, m, l = carry
+    at = pl.ds(blk * GPU_BLOCK, GPU_BLOCK)
+    tok = ids_ref[at] - vstart_ref[0]
+    mine = (tok >= 0) & (tok < local_rows)
+    v = table_ref[jnp.where(mine, tok, 0) * K + h, :]
+    if split:  # rows another shard holds count as zero here; the psum adds them
+      v = jnp.where(mine[:, None], v, jnp.zeros((), v.dtype))
+    s = plgpu.dot(q, k_ref[at, :], trans_b=True).astype(jnp.float32) * scale
+    delta = qpos - (blk * GPU_BLOCK + jnp.arange(GPU_BLOCK))
+    s = jnp.where(((delta >= 0) & (delta <= window))[None, :], s, MASKED)
+    m_next = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.exp(s - m_next[:, None])
+    alpha = jnp.exp(m - m_next)
+    o = alpha[:, None] * o + plgpu.dot(p.astype(q.dtype), v.astype(q.dtype)).astype(jnp.float32)
+    return o, m_next, alpha * l + jnp.sum(p, axis=1)
+
+  init = (jnp.zeros(o_ref.shape, jnp.float32), jnp.full(m_ref.shape, MASKED, jnp.float32),
+          jnp.zeros(l_ref.shape, jnp.float32))
+  o, m, l = jax.lax.fori_loop(first, last + 1, body, init)
+  o_ref[...], m_ref[...], l_ref[...] = o, m, l
+
+
+def _call_gpu(q_NGE, k_NSE, ids_BS, table_VF, qpos_B, vstart, *, window, split, interpret):
+  N, G, E = q_NGE.shape
+  B, S = ids_BS.shape
+  K = N // B
+  V = table_VF.shape[0]
+  splits = math.gcd(GPU_SPLITS, S // GPU_BLOCK)
+  per_split = S // splits
+  R = max(GPU_ROWS, G)
+  q_NRE = jnp.pad(q_NGE, ((0, 0), (0, R - G), (0, 0)))
+  kernel = functools.partial(_gpu_kernel, K=K, window=window, local_rows=V, split=split,
+                             per_split=per_split)
+  o, l, m = pl.pallas_call(
+      kernel,
+      grid=(N, splits),
+      in_specs=[
+          pl.BlockSpec((1,), lambda n, sp: (n // K,)),
+          pl.BlockSpec((1,), lambda n, sp: (0,)),
+          pl.BlockSpec((None, S), lambda n, sp: (n // K, 0)),
+          pl.BlockSpec((None, R, E), lambda n, sp: (n, 0, 0)),
+          pl.BlockSpec((None, S, E), lambda n, sp: (n, 0, 0)),
+          pl.BlockSpec((V * K, E), lambda n, sp: (0, 0)),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, R, E), lambda n, sp: (sp, n, 0, 0)),
+          pl.BlockSpec((None, None, R), lambda n, sp: (sp, n, 0)),
+          pl.BlockSpec((None, None, R), lambda n, sp: (sp, n, 0)),
+      ],
+      out_shape=[jax.ShapeDtypeStruct((splits, N, R, E), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, N, R), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, N, R), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret,
+  )(qpos_B.astype(jnp.int32), vstart, ids_BS.astype(jnp.int32), q_NRE, k_NSE,
+    table_VF.reshape(V * K, E))
+  # The splits' partial softmaxes joined (a split without visible keys has m at
+  # MASKED and weighs nothing).
+  m_all = jnp.max(m, axis=0)
+  w = jnp.exp(m - m_all)
+  out = jnp.sum(o * w[..., None], axis=0) / jnp.sum(l * w, axis=0)[..., None]
+  return out[:, :G].astype(q_NGE.dtype)
+
+
+def attend(q_BTHE, k_NSE, ids_BS, table_VF, qpos_B, window: int, gamma=None,
+           kernel: str | None = None):
   """Attention output [B, 1, H * E] of one new token per sequence over its cache.
 
   q_BTHE [B, 1, H, E]; k_NSE the layer's key cache (`attention.kv_rows`); ids_BS
   the cached token ids; table_VF the layer's table [V, K * E]; qpos_B each query's
   position (keys qpos - window .. qpos are visible); gamma the layer's learned
   coefficient (None: 1). Equal to `attention.attend` over gamma * table[ids] rows.
+  kernel: `tpu` or `gpu` (default: the backend's; off both, TPU's, interpreted).
   """
   B, T, H, E = q_BTHE.shape
   if T != 1:
@@ -201,17 +298,20 @@ def attend(q_BTHE, k_NSE, ids_BS, table_VF, qpos_B, window: int, gamma=None):
   N = k_NSE.shape[0]
   K = N // B
   q_NGE = q_BTHE.reshape(B, K, H // K, E).reshape(N, H // K, E)
-  interpret = jax.default_backend() != "tpu"
+  backend = jax.default_backend()
+  kernel = kernel or ("gpu" if backend == "gpu" else "tpu")
+  call = {"tpu": _call_tpu, "gpu": _call_gpu}[kernel]
+  interpret = backend != kernel
   window = int(min(window, k_NSE.shape[1]))
   mesh = jax.sharding.get_abstract_mesh()
   vocab = () if mesh.empty or mesh.size == 1 else sharding.table_axes(mesh, table_VF.shape[0])
   if not vocab:
-    out = _call(q_NGE, k_NSE, ids_BS, table_VF, qpos_B, jnp.zeros((1,), jnp.int32),
+    out = call(q_NGE, k_NSE, ids_BS, table_VF, qpos_B, jnp.zeros((1,), jnp.int32),
                 window=window, split=False, interpret=interpret)
   else:
     def local(q, k, ids, table, qpos):
       vstart = (jax.lax.axis_index(vocab) * table.shape[0]).astype(jnp.int32)[None]
-      part = _call(q, k, ids, table, qpos, vstart, window=window, split=True,
+      part = call(q, k, ids, table, qpos, vstart, window=window, split=True,
                    interpret=interpret)
       return jax.lax.psum(part.astype(jnp.float32), vocab).astype(part.dtype)
     out = jax.shard_map(local, mesh=mesh,

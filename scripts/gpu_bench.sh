@@ -2,8 +2,10 @@
 # The GPU runs of docs/performance.md ("Train step on one H200") in one go:
 #   bash scripts/gpu_bench.sh [RUN ...]   (default: test bov_d12 base_d12
 #                                          bov_d12_xla_attention bov_d12_batch32)
-# Results: JSON lines in $OUT/bench.jsonl (default runs/gpu_bench/), each run's log
-# beside it, and a table last. On a host whose Python lacks this project's packages
+# and the fused bank-layer decode kernel against XLA's gather (bov_jax/bank_decode.py):
+#   bash scripts/gpu_bench.sh decode_test decode_xla decode_fused
+# Results: JSON lines in $OUT/bench.jsonl and $OUT/decode.jsonl (default runs/gpu_bench/),
+# each run's log beside them, and tables last. On a host whose Python lacks this project's packages
 # (a GPU image with jax only), put wheels in .whl/ first and they are installed to
 # /tmp/site, e.g. for Python 3.12:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -31,6 +33,16 @@ bench() {  # name, then bench flags
   grep -iE "error|exception" "$out/$name.err" | tail -3
   grep -A40 "^profile:" "$out/$name.err" || true
 }
+decode() {  # name, then bench flags
+  local name=$1; shift
+  echo "== $name"
+  for batch in 1 8; do
+    timeout 200 python3 -m bov_jax.bench decode --json --config=$bov --contexts=1024,4096 \
+      --steps=64 --batch=$batch "$@" 2>>"$out/$name.err" |
+      sed -u "s/^{/{\"run\": \"$name\", /" | tee -a "$out/decode.jsonl"
+  done
+  grep -iE "error|exception" "$out/$name.err" | tail -3
+}
 bov=configs/bov_135m.py
 runs=("$@")
 [ ${#runs[@]} -gt 0 ] || runs=(test bov_d12 base_d12 bov_d12_xla_attention bov_d12_batch32)
@@ -50,15 +62,28 @@ for run in "${runs[@]}"; do
         --config.train.device_batch_size=32 ;;
     bov_d12_batch32_loss_chunk8192)
       bench "$run" --config=$bov --config.train.device_batch_size=32 --config.model.loss_chunk=8192 ;;
+    decode_test)  # the GPU kernel compiled by Triton against the gather-then-attend path
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_bank_decode.py -k gpu 2>&1 |
+        tee "$out/pytest_decode.log" | tail -5 ;;
+    decode_xla) decode "$run" --config.model.decode_attention=xla ;;
+    decode_fused) decode "$run" --config.model.decode_attention=fused ;;
     *) echo "unknown run $run"; exit 2 ;;
   esac
 done
 
-python3 - "$out/bench.jsonl" <<'EOF'
-import json, sys
-print(f"{'run':32s} {'step_s':>7s} {'tok/s':>9s} {'TFLOP/s':>8s} {'MFU':>6s} {'compile_s':>9s}")
-for line in open(sys.argv[1]):
-  r = json.loads(line)
-  print(f"{r['run']:32s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} "
-        f"{r['achieved_flops'] / 1e12:8.1f} {r['mfu']:6.1%} {r['compile_s']:9.1f}")
+python3 - "$out/bench.jsonl" "$out/decode.jsonl" <<'EOF'
+import json, os, sys
+train, decode = sys.argv[1:3]
+if os.path.exists(train):
+  print(f"{'run':32s} {'step_s':>7s} {'tok/s':>9s} {'TFLOP/s':>8s} {'MFU':>6s} {'compile_s':>9s}")
+  for line in open(train):
+    r = json.loads(line)
+    print(f"{r['run']:32s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} "
+          f"{r['achieved_flops'] / 1e12:8.1f} {r['mfu']:6.1%} {r['compile_s']:9.1f}")
+if os.path.exists(decode):
+  print(f"{'run':14s} {'preset':34s} {'context':>7s} {'batch':>5s} {'tok/s':>9s}")
+  for line in open(decode):
+    r = json.loads(line)
+    print(f"{r['run']:14s} {r['preset']:34s} {r['context']:7d} {r['batch']:5d} "
+          f"{r['tokens_per_s']:9.0f}")
 EOF

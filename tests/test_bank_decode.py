@@ -28,14 +28,21 @@ class Case:
   V: int = 192
 
 
+def _case(kernel):
+  """TPU: four 128-position blocks, each a grid step. GPU: 2,048 positions, so each
+  of the 16 splits runs two 64-position blocks through its online softmax."""
+  return Case() if kernel == "tpu" else Case(S=2048)
+
+
 def _inputs(c: Case, seed=0, dtype=jnp.float32):
   rng = np.random.default_rng(seed)
   q = jnp.asarray(rng.normal(size=(c.B, 1, c.K * c.G, c.E)), dtype)
   k = jnp.asarray(rng.normal(size=(c.B * c.K, c.S, c.E)), dtype)
   ids = jnp.asarray(rng.integers(0, c.V, size=(c.B, c.S)), jnp.int32)
   table = jnp.asarray(rng.normal(size=(c.V, c.K * c.E)), jnp.float32)
-  # the first row; a block's last; four blocks, their rows requested a block ahead
-  qpos = jnp.asarray([0, 127, 450][:c.B], jnp.int32)
+  # the first row; a block's last; most of the cache (TPU: four blocks, their rows
+  # requested a block ahead)
+  qpos = jnp.asarray([0, 127, c.S - 62][:c.B], jnp.int32)
   return q, k, ids, table, qpos
 
 
@@ -47,34 +54,40 @@ def _gather_then_attend(q, k, ids, table, qpos, window, gamma):
                           jnp.broadcast_to(jnp.arange(S), (B, S)), window)
 
 
+KERNELS = ["tpu", "gpu"]  # each runs in the Pallas interpreter here
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("window", [10_000, 100, 3])
-def test_fused_step_equals_gather_then_attend(window):
+def test_fused_step_equals_gather_then_attend(window, kernel):
   """Full causal, a window that starts mid-block and crosses a block edge, and one
   that sees four keys; a query at position 0 sees only itself."""
-  c = Case()
+  c = _case(kernel)
   q, k, ids, table, qpos = _inputs(c)
   gamma = jnp.float32(0.7)
-  got = jax.jit(lambda *a: bank_decode.attend(*a, window=window, gamma=gamma))(
+  got = jax.jit(lambda *a: bank_decode.attend(*a, window=window, gamma=gamma, kernel=kernel))(
       q, k, ids, table, qpos)
   want = _gather_then_attend(q, k, ids, table, qpos, window, gamma)
   assert got.shape == (c.B, 1, c.K * c.G * c.E)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
 
 
-def test_positions_past_the_query_do_not_count():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_positions_past_the_query_do_not_count(kernel):
   """Slots after the query's position hold stale keys and ids; changing them
   changes nothing (the causal test hides them, and their blocks are skipped)."""
   c = Case(B=1)
   q, k, ids, table, _ = _inputs(c)
   qpos = jnp.asarray([130], jnp.int32)
-  f = jax.jit(lambda *a: bank_decode.attend(*a, window=10_000))
+  f = jax.jit(lambda *a: bank_decode.attend(*a, window=10_000, kernel=kernel))
   a = f(q, k, ids, table, qpos)
   b = f(q, k.at[:, 131:].set(50.0), ids.at[:, 131:].set(0), table, qpos)
   np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("shape", [(1, 8, 1), (2, 2, 2)])
-def test_vocab_split_table_equals_whole(shape):
+@pytest.mark.parametrize("kernel, shape", [("tpu", (1, 8, 1)), ("tpu", (2, 2, 2)),
+                                           ("gpu", (2, 2, 2))])
+def test_vocab_split_table_equals_whole(kernel, shape):
   """Under a mesh the table's vocabulary is split (RULES); each shard gathers its
   own rows and the partial outputs add up to the whole."""
   c = Case(V=256)
@@ -87,7 +100,7 @@ def test_vocab_split_table_equals_whole(shape):
   want = _gather_then_attend(q, k, ids, table, qpos, 100, 1.0)
   with jax.set_mesh(mesh):
     t = jax.device_put(table, NamedSharding(mesh, spec))
-    got = jax.jit(lambda *a: bank_decode.attend(*a, window=100))(q, k, ids, t, qpos)
+    got = jax.jit(lambda *a: bank_decode.attend(*a, window=100, kernel=kernel))(q, k, ids, t, qpos)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
 
 
@@ -100,7 +113,7 @@ def test_dmas_and_semaphores_as_a_tpu_runs_them():
   c = Case()
   q, k, ids, table, qpos = _inputs(c, seed=2)
   N = c.B * c.K
-  got = bank_decode._call(q.reshape(N, c.G, c.E), k, ids, table, qpos,
+  got = bank_decode._call_tpu(q.reshape(N, c.G, c.E), k, ids, table, qpos,
                           jnp.zeros((1,), jnp.int32), window=300, split=True,
                           interpret=pltpu.InterpretParams())
   want = _gather_then_attend(q, k, ids, table, qpos, 300, 1.0)
@@ -117,7 +130,7 @@ def test_kernel_lowers_for_tpu(split):
   N = c.B * c.K
 
   def f(q, k, ids, table, qpos):
-    return bank_decode._call(q.reshape(N, c.G, c.E), k, ids, table, qpos,
+    return bank_decode._call_tpu(q.reshape(N, c.G, c.E), k, ids, table, qpos,
                              jnp.zeros((1,), jnp.int32), window=100, split=split,
                              interpret=False)
 
@@ -126,8 +139,30 @@ def test_kernel_lowers_for_tpu(split):
   assert "tpu_custom_call" in module
 
 
-def _bov(decode_attention, **kw):
-  cfg = small_config(sequence_len=128, **kw)
+@pytest.mark.parametrize("split", [False, True])
+def test_gpu_kernel_lowers_to_triton(split):
+  """The GPU kernel's Pallas-to-Triton lowering (power-of-two tensors, the gather
+  load, dot sizes) runs on any host; compiling the Triton module needs a GPU."""
+  c = Case()
+  q, k, ids, table, qpos = _inputs(c, dtype=jnp.bfloat16)
+  N = c.B * c.K
+
+  def f(q, k, ids, table, qpos):
+    return bank_decode._call_gpu(q.reshape(N, c.G, c.E), k, ids, table, qpos,
+                                 jnp.zeros((1,), jnp.int32), window=100, split=split,
+                                 interpret=False)
+
+  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, ids, table, qpos)]
+  triton = "__gpu$xla.gpu.triton"
+  module = jax.export.export(
+      jax.jit(f), platforms=["cuda"],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(*shapes).mlir_module()
+  assert f"custom_call @{triton}" in module
+
+
+def _bov(decode_attention):
+  # head dim 128 (the TPU kernel's lanes), two query heads on one kv head
+  cfg = small_config(sequence_len=128, n_embd=256, n_head=2, n_kv_head=1)
   cfg.model.decode_attention = decode_attention
   m = model_lib.init_model(cfg, jax.random.key(0))
   state = nnx.state(m)
@@ -169,10 +204,12 @@ def test_generation_with_the_kernel_equals_xla():
 
 def test_resolve_and_config():
   assert bank_decode.resolve("auto", 256, 128, "auto") == "xla"  # CPU: the gather path
-  assert bank_decode.resolve("fused", 256, 64, "auto") == "fused"
+  assert bank_decode.resolve("fused", 256, 128, "auto") == "fused"
   assert bank_decode.resolve("fused", 200, 128, "auto") == "xla"  # not whole blocks
   assert bank_decode.resolve("fused", 256, 128, "host") == "xla"  # tables in host memory
   assert bank_decode.fits(1024, 128) and not bank_decode.fits(1024, 64)
+  assert bank_decode.fits(1024, 64, "gpu") and not bank_decode.fits(1024, 96, "gpu")
+  assert not bank_decode.fits(1000, 64, "gpu")
   cfg = small_config()
   cfg.model.decode_attention = "pallas"
   with pytest.raises(config_lib.ConfigError, match="model.decode_attention='pallas'"):
