@@ -63,17 +63,38 @@ def fits(context: int, head_dim: int, backend: str = "tpu") -> bool:
   return context % BLOCK == 0 and head_dim % 128 == 0
 
 
-def resolve(impl: str, context: int, head_dim: int, table_lookup: str) -> str:
+def resolve(impl: str, context: int, head_dim: int, table_lookup: str, batch: int = 1,
+            table_rows: int = 0) -> str:
   """`fused` or `xla` for this cache. `auto` is `fused` on TPU only: the GPU
   kernel is there to be measured (scripts/gpu_bench.sh) before it becomes the
-  default. A cache the backend's kernel does not fit, and tables kept in host
-  memory (`sample.tables_on_host`), take `xla`."""
+  default. A cache the backend's kernel does not fit, tables kept in host memory
+  (`sample.tables_on_host`), and a mesh that splits the batch and the table over
+  a shared axis (`mesh_split`) take `xla`."""
   backend = "gpu" if jax.default_backend() == "gpu" else "tpu"
-  if table_lookup == "host" or not fits(context, head_dim, backend):
+  if (table_lookup == "host" or not fits(context, head_dim, backend)
+      or mesh_split(batch, table_rows) is None):
     return "xla"
   if impl == "auto":
     return "fused" if jax.default_backend() == "tpu" else "xla"
   return impl
+
+
+def mesh_split(batch: int, table_rows: int):
+  """(batch axes, vocab axes) the kernel runs split over under the current mesh,
+  or None when the batch and the table's vocabulary share a split axis (fsdp):
+  a sequence's rows then sit on other devices, and XLA's lookup, which moves the
+  rows rather than the caches, is the cheaper path. The batch is split as
+  `sharding.table_lookup` splits it (not at all when it does not divide)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return (), ()
+  vocab = sharding.table_axes(mesh, table_rows) if table_rows else ()
+  batch_axes = tuple(a for a in sharding.BATCH_AXES if mesh.shape[a] > 1)
+  if batch % math.prod(mesh.shape[a] for a in batch_axes):
+    batch_axes = ()
+  if set(batch_axes) & set(vocab):
+    return None
+  return batch_axes, vocab
 
 
 def _tpu_kernel(qpos_ref, vstart_ref, ids_ref, ids_next_ref, q_ref, k_ref, table_ref, o_ref,
@@ -303,20 +324,27 @@ def attend(q_BTHE, k_NSE, ids_BS, table_VF, qpos_B, window: int, gamma=None,
   call = {"tpu": _call_tpu, "gpu": _call_gpu}[kernel]
   interpret = backend != kernel
   window = int(min(window, k_NSE.shape[1]))
-  mesh = jax.sharding.get_abstract_mesh()
-  vocab = () if mesh.empty or mesh.size == 1 else sharding.table_axes(mesh, table_VF.shape[0])
-  if not vocab:
+  split = mesh_split(B, table_VF.shape[0])
+  if split is None:
+    raise ValueError("bank_decode.attend: the mesh splits the batch and the table over a "
+                     "shared axis; `resolve` sends this case to XLA's lookup")
+  batch_axes, vocab = split
+  if not batch_axes and not vocab:
     out = call(q_NGE, k_NSE, ids_BS, table_VF, qpos_B, jnp.zeros((1,), jnp.int32),
-                window=window, split=False, interpret=interpret)
+               window=window, split=False, interpret=interpret)
   else:
     def local(q, k, ids, table, qpos):
+      if not vocab:
+        return call(q, k, ids, table, qpos, jnp.zeros((1,), jnp.int32), window=window,
+                    split=False, interpret=interpret)
       vstart = (jax.lax.axis_index(vocab) * table.shape[0]).astype(jnp.int32)[None]
       part = call(q, k, ids, table, qpos, vstart, window=window, split=True,
-                   interpret=interpret)
+                  interpret=interpret)
       return jax.lax.psum(part.astype(jnp.float32), vocab).astype(part.dtype)
-    out = jax.shard_map(local, mesh=mesh,
-                        in_specs=(P(), P(), P(), P(vocab, None), P()), out_specs=P(),
-                        check_vma=False)(q_NGE, k_NSE, ids_BS, table_VF, qpos_B)
+    rows = P(batch_axes or None)  # rows n = b * K + h: a batch split keeps a sequence's rows
+    out = jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
+                        in_specs=(rows, rows, rows, P(vocab or None, None), rows),
+                        out_specs=rows, check_vma=False)(q_NGE, k_NSE, ids_BS, table_VF, qpos_B)
   if gamma is not None:
     out = gamma.astype(out.dtype) * out
   return out.reshape(B, 1, H * E)

@@ -107,14 +107,14 @@ def _cached_values(model, i, cache):
   return values.combine(lv, None, attention.kv_rows(rows), coeffs)
 
 
-def _fused_bank(model, i, context) -> bool:
+def _fused_bank(model, i, batch, context) -> bool:
   """Whether layer i's decode step runs `bank_decode`'s kernel (a bank layer whose
   gather it fuses; `model.decode_attention`)."""
   if i not in bank_layers(model):
     return False
   a = model.blocks[i].attn
-  return bank_decode.resolve(model.decode_attention, context, a.head_dim,
-                             model.table_lookup) == "fused"
+  return bank_decode.resolve(model.decode_attention, context, a.head_dim, model.table_lookup,
+                             batch, model.tables[model.table_of[i]].shape[0]) == "fused"
 
 
 def _write(buf, new, start):
@@ -150,7 +150,7 @@ def forward_cached(model, idx_BT, cache):
     cache["k"][i] = _write(cache["k"][i], attention.kv_rows(k), start_N)
     if stores_values(model.plan[i]):
       cache["v"][str(i)] = _write(cache["v"][str(i)], attention.kv_rows(v), start_N)
-    if T == 1 and _fused_bank(model, i, S):
+    if T == 1 and _fused_bank(model, i, B, S):
       coeffs = block.attn.coeffs
       y = bank_decode.attend(q, cache["k"][i], cache["ids"], model.tables[model.table_of[i]][...],
                              start, block.attn.window,

@@ -85,23 +85,44 @@ def test_positions_past_the_query_do_not_count(kernel):
   np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("kernel, shape", [("tpu", (1, 8, 1)), ("tpu", (2, 2, 2)),
-                                           ("gpu", (2, 2, 2))])
-def test_vocab_split_table_equals_whole(kernel, shape):
-  """Under a mesh the table's vocabulary is split (RULES); each shard gathers its
-  own rows and the partial outputs add up to the whole."""
-  c = Case(V=256)
-  q, k, ids, table, qpos = _inputs(c, seed=1)
+def _mesh(shape):
   cfg = small_config()
   cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = shape
-  mesh = sharding.make_mesh(cfg)
+  return sharding.make_mesh(cfg)
+
+
+@pytest.mark.parametrize("kernel, shape, batch", [
+    ("tpu", (1, 8, 1), 3),  # vocabulary over fsdp; 3 sequences are not split
+    ("tpu", (2, 2, 2), 3),  # vocabulary over fsdp x tensor
+    ("tpu", (2, 1, 4), 4),  # sequences over data, vocabulary over tensor
+    ("gpu", (2, 1, 4), 4)])
+def test_vocab_split_table_equals_whole(kernel, shape, batch):
+  """Under a mesh the table's vocabulary is split (RULES); each shard gathers its
+  own rows and the partial outputs add up to the whole. A batch split over other
+  axes runs per shard."""
+  c = Case(B=batch, V=256)
+  q, k, ids, table, qpos = _inputs(c, seed=1)
+  if batch == 4:
+    qpos = jnp.asarray([0, 127, 300, 511], jnp.int32)
+  mesh = _mesh(shape)
   spec = sharding.logical_to_spec(("table_vocab", "kv_heads"), table.shape, mesh)
   assert spec[0] is not None  # the case under test: a split vocabulary
   want = _gather_then_attend(q, k, ids, table, qpos, 100, 1.0)
   with jax.set_mesh(mesh):
+    assert bank_decode.mesh_split(batch, c.V) == ((("data",) if batch == 4 else ()),
+                                                  sharding.table_axes(mesh, c.V))
     t = jax.device_put(table, NamedSharding(mesh, spec))
     got = jax.jit(lambda *a: bank_decode.attend(*a, window=100, kernel=kernel))(q, k, ids, t, qpos)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
+def test_batch_and_vocabulary_on_one_axis_take_xla():
+  """fsdp splits both the batch and the table: each sequence's rows would be on
+  other devices, so the decode step keeps XLA's lookup, which moves rows."""
+  with jax.set_mesh(_mesh((1, 8, 1))):
+    assert bank_decode.mesh_split(8, 256) is None
+    assert bank_decode.resolve("fused", 256, 128, "auto", batch=8, table_rows=256) == "xla"
+    assert bank_decode.resolve("fused", 256, 128, "auto", batch=1, table_rows=256) == "fused"
 
 
 def test_dmas_and_semaphores_as_a_tpu_runs_them():
@@ -179,8 +200,8 @@ def test_generation_with_the_kernel_equals_xla():
   g_xla, state = _bov("xla")
   g_fused, _ = _bov("fused")
   params = nnx.to_pure_dict(state)
-  assert inference._fused_bank(nnx.merge(g_fused, state), 5, 128)
-  assert not inference._fused_bank(nnx.merge(g_fused, state), 3, 128)  # stores its values
+  assert inference._fused_bank(nnx.merge(g_fused, state), 5, 2, 128)
+  assert not inference._fused_bank(nnx.merge(g_fused, state), 3, 2, 128)  # stores its values
   prompts = jnp.asarray([[5, 17, 3, 99, 0, 0], [8, 1, 2, 3, 4, 5]], jnp.int32)
   lengths = jnp.asarray([4, 6])
   run = lambda g: np.asarray(inference.generate(g, params, prompts, lengths, jax.random.key(0),
