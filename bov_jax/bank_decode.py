@@ -50,7 +50,7 @@ LANES = 128  # TPU: running max and sum are kept lane-replicated, as TPU flash k
 GPU_BLOCK = 64  # GPU: cached positions per loop step
 GPU_SPLITS = 16  # GPU: programs per (sequence, kv head), each over a 16th of the cache,
                  # so a batch of one still fills the SMs (flash decoding's split-K)
-GPU_ROWS = 16  # GPU: query heads padded to 16 rows, Triton's smallest dot
+GPU_ROWS = 16  # GPU: query heads padded to 16 rows (Triton's smallest dot) or more
 MASKED = -0.7 * float(np.finfo(np.float32).max)  # finite: no inf - inf in the GPU kernel
 
 
@@ -268,7 +268,7 @@ def _call_gpu(q_NGE, k_NSE, ids_BS, table_VF, qpos_B, vstart, *, window, split, 
   V = table_VF.shape[0]
   splits = math.gcd(GPU_SPLITS, S // GPU_BLOCK)
   per_split = S // splits
-  R = max(GPU_ROWS, G)
+  R = max(GPU_ROWS, 1 << (G - 1).bit_length())  # Triton's tensors: powers of two
   q_NRE = jnp.pad(q_NGE, ((0, 0), (0, R - G), (0, 0)))
   kernel = functools.partial(_gpu_kernel, K=K, window=window, local_rows=V, split=split,
                              per_split=per_split)

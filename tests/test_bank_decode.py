@@ -72,6 +72,16 @@ def test_fused_step_equals_gather_then_attend(window, kernel):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
 
 
+def test_gpu_kernel_pads_query_heads_to_a_power_of_two():
+  """24 query heads on one kv head: the GPU kernel's rows pad to 32 (Triton's
+  tensor shapes), the output keeps 24."""
+  c = Case(B=2, K=1, G=24, E=64, S=256)
+  q, k, ids, table, qpos = _inputs(c, seed=3)
+  got = jax.jit(lambda *a: bank_decode.attend(*a, window=50, kernel="gpu"))(q, k, ids, table, qpos)
+  want = _gather_then_attend(q, k, ids, table, qpos, 50, 1.0)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_positions_past_the_query_do_not_count(kernel):
   """Slots after the query's position hold stale keys and ids; changing them
