@@ -63,8 +63,8 @@ for run in "${runs[@]}"; do
     bov_d12_batch32_loss_chunk8192)
       bench "$run" --config=$bov --config.train.device_batch_size=32 --config.model.loss_chunk=8192 ;;
     decode_test)  # the GPU kernel compiled by Triton against the gather-then-attend path
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_bank_decode.py -k "gpu and not vocab_split" 2>&1 |
-        tee "$out/pytest_decode.log" | tail -5 ;;
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_bank_decode.py \
+        -k "gpu and not vocab_split" 2>&1 | tee "$out/pytest_decode.log" | tail -5 ;;
     decode_xla) decode "$run" --config.model.decode_attention=xla ;;
     decode_fused) decode "$run" --config.model.decode_attention=fused ;;
     *) echo "unknown run $run"; exit 2 ;;
@@ -73,17 +73,23 @@ done
 
 python3 - "$out/bench.jsonl" "$out/decode.jsonl" <<'EOF'
 import json, os, sys
-train, decode = sys.argv[1:3]
-if os.path.exists(train):
-  print(f"{'run':32s} {'step_s':>7s} {'tok/s':>9s} {'TFLOP/s':>8s} {'MFU':>6s} {'compile_s':>9s}")
-  for line in open(train):
-    r = json.loads(line)
-    print(f"{r['run']:32s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} "
-          f"{r['achieved_flops'] / 1e12:8.1f} {r['mfu']:6.1%} {r['compile_s']:9.1f}")
-if os.path.exists(decode):
-  print(f"{'run':14s} {'preset':34s} {'context':>7s} {'batch':>5s} {'tok/s':>9s}")
-  for line in open(decode):
-    r = json.loads(line)
-    print(f"{r['run']:14s} {r['preset']:34s} {r['context']:7d} {r['batch']:5d} "
-          f"{r['tokens_per_s']:9.0f}")
+tables = [  # file, then (column, width: < 0 left-aligned, its text from a result line)
+    (sys.argv[1], [("run", -32, lambda r: r["run"]),
+                   ("step_s", 7, lambda r: f"{r['step_s']:.3f}"),
+                   ("tok/s", 9, lambda r: f"{r['tokens_per_s']:.0f}"),
+                   ("TFLOP/s", 8, lambda r: f"{r['achieved_flops'] / 1e12:.1f}"),
+                   ("MFU", 6, lambda r: f"{r['mfu']:.1%}"),
+                   ("compile_s", 9, lambda r: f"{r['compile_s']:.1f}")]),
+    (sys.argv[2], [("run", -14, lambda r: r["run"]),
+                   ("preset", -34, lambda r: r["preset"]),
+                   ("context", 7, lambda r: str(r["context"])),
+                   ("batch", 5, lambda r: str(r["batch"])),
+                   ("tok/s", 9, lambda r: f"{r['tokens_per_s']:.0f}")]),
+]
+for path, cols in tables:
+  if os.path.exists(path):
+    rows = [[name for name, _, _ in cols]]
+    rows += [[text(json.loads(line)) for _, _, text in cols] for line in open(path)]
+    for row in rows:
+      print(" ".join(v.ljust(-w) if w < 0 else v.rjust(w) for v, (_, w, _) in zip(row, cols)))
 EOF

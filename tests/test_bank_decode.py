@@ -152,43 +152,33 @@ def test_dmas_and_semaphores_as_a_tpu_runs_them():
                              atol=2e-6, rtol=1e-5)
 
 
+TRITON = "__gpu$xla.gpu.triton"
+LOWERED = {  # kernel -> (call, export platform, custom call in the module, checks to lift)
+    "tpu": (bank_decode._call_tpu, "tpu", "tpu_custom_call", []),
+    "gpu": (bank_decode._call_gpu, "cuda", f"custom_call @{TRITON}",
+            [jax.export.DisabledSafetyCheck.custom_call(TRITON)]),
+}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("split", [False, True])
-def test_kernel_lowers_for_tpu(split):
-  """Pallas's TPU lowering (block shapes against (8, 128) tiles, SMEM blocks, DMA
-  slices) runs on any host through jax.export; Mosaic's own compile needs a TPU."""
+def test_kernel_lowers_for_its_backend(kernel, split):
+  """Pallas's lowering runs on any host through jax.export. TPU's checks block
+  shapes against (8, 128) tiles, the SMEM blocks and the DMA slices (Mosaic's own
+  compile needs a TPU); GPU's builds the Triton module (power-of-two tensors, the
+  gather load, dot sizes; compiling it needs a GPU)."""
+  call, platform, marker, lifted = LOWERED[kernel]
   c = Case()
   q, k, ids, table, qpos = _inputs(c, dtype=jnp.bfloat16)
   N = c.B * c.K
 
   def f(q, k, ids, table, qpos):
-    return bank_decode._call_tpu(q.reshape(N, c.G, c.E), k, ids, table, qpos,
-                             jnp.zeros((1,), jnp.int32), window=100, split=split,
-                             interpret=False)
+    return call(q.reshape(N, c.G, c.E), k, ids, table, qpos, jnp.zeros((1,), jnp.int32),
+                window=100, split=split, interpret=False)
 
   shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, ids, table, qpos)]
-  module = jax.export.export(jax.jit(f), platforms=["tpu"])(*shapes).mlir_module()
-  assert "tpu_custom_call" in module
-
-
-@pytest.mark.parametrize("split", [False, True])
-def test_gpu_kernel_lowers_to_triton(split):
-  """The GPU kernel's Pallas-to-Triton lowering (power-of-two tensors, the gather
-  load, dot sizes) runs on any host; compiling the Triton module needs a GPU."""
-  c = Case()
-  q, k, ids, table, qpos = _inputs(c, dtype=jnp.bfloat16)
-  N = c.B * c.K
-
-  def f(q, k, ids, table, qpos):
-    return bank_decode._call_gpu(q.reshape(N, c.G, c.E), k, ids, table, qpos,
-                                 jnp.zeros((1,), jnp.int32), window=100, split=split,
-                                 interpret=False)
-
-  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, ids, table, qpos)]
-  triton = "__gpu$xla.gpu.triton"
-  module = jax.export.export(
-      jax.jit(f), platforms=["cuda"],
-      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(*shapes).mlir_module()
-  assert f"custom_call @{triton}" in module
+  exported = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=lifted)
+  assert marker in exported(*shapes).mlir_module()
 
 
 def _bov(decode_attention):
