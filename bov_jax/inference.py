@@ -12,6 +12,9 @@ The cache, per sequence of the batch, up to `context` positions:
 
 Prefill runs the prompt in one pass; decode adds one token per step inside a
 `lax.fori_loop`, so nothing recompiles per step and nothing returns to the host.
+A decode step of a sliding-window layer reads only its window of the cache
+(`_window`); a bank layer's can gather inside the attention kernel
+(`bank_decode`, `model.decode_attention`).
 `generate_uncached` recomputes the whole forward pass per token (the slow
 reference path, `use_cache=false`).
 """
@@ -89,22 +92,41 @@ def cache_bytes(cache: dict) -> int:
   return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(cache))
 
 
-def _cached_values(model, i, cache):
-  """Values of every cached position for layer i (bank and V1 layers rebuild them)."""
+def _cached_values(model, i, cache, rows=lambda x: x, seqs=lambda x: x):
+  """Values of the cached positions for layer i (bank and V1 layers rebuild them).
+  `rows` and `seqs` cut a [B * K, S, E] buffer and the [B, S] ids to the positions
+  attention reads (all of them, or a sliding window's: `_window`)."""
   lv, attn = model.plan[i], model.blocks[i].attn
   if stores_values(lv):
-    return cache["v"][str(i)]
+    return rows(cache["v"][str(i)])
   coeffs = {n: p[...] for n, p in attn.coeffs.items()}
   if lv.source == "v1":
-    return values.combine(lv, None, cache["v"]["0"], coeffs)
-  B, S = cache["ids"].shape
-  rows = sharding.table_lookup(model.tables[model.table_of[i]][...], cache["ids"],
-                                         model.table_lookup)
-  rows = rows.astype(model.compute_dtype).reshape(B, S, attn.n_kv_head, attn.head_dim)
+    return values.combine(lv, None, rows(cache["v"]["0"]), coeffs)
+  ids = seqs(cache["ids"])
+  B, S = ids.shape
+  vals = sharding.table_lookup(model.tables[model.table_of[i]][...], ids, model.table_lookup)
+  vals = vals.astype(model.compute_dtype).reshape(B, S, attn.n_kv_head, attn.head_dim)
   # XLA writes the gathered rows straight into the layout attention reads (the
   # transpose folds into the gather): a bank layer pays one extra pass over
   # its rows against a stored-value layer.
-  return values.combine(lv, None, attention.kv_rows(rows), coeffs)
+  return values.combine(lv, None, attention.kv_rows(vals), coeffs)
+
+
+def _window(window: int, start_B, S: int, K: int):
+  """For one decode step of a sliding-window layer: (rows, seqs, kpos_BW) cutting
+  the cache to the W = window + 1 positions each query can see, or None where the
+  window covers more than half the cache (cutting copies W positions, so it pays
+  only when it skips more than it copies). At 4,096 positions a layer with the
+  reference's 1,024 window reads a quarter of its keys and values, and a bank
+  layer gathers a quarter of its rows."""
+  W = window + 1
+  if 2 * W > S:
+    return None
+  lo_B = jnp.clip(start_B - window, 0, S - W)  # the W positions hold start - window .. start
+  lo_N = jnp.repeat(lo_B, K)
+  cut = lambda lo: jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, W, axis=0))
+  return (lambda x: cut(lo_N)(x, lo_N), lambda x: cut(lo_B)(x, lo_B),
+          lo_B[:, None] + jnp.arange(W)[None, :])
 
 
 def _fused_bank(model, i, batch, context) -> bool:
@@ -156,8 +178,14 @@ def forward_cached(model, idx_BT, cache):
                              start, block.attn.window,
                              coeffs["gamma"][...] if "gamma" in coeffs else None)
     else:
-      v_all = _cached_values(model, i, cache)
-      y = attention.attend(q, cache["k"][i], v_all, pos, kpos, block.attn.window)
+      cut = _window(block.attn.window, start, S, block.attn.n_kv_head) if T == 1 else None
+      if cut is None:
+        y = attention.attend(q, cache["k"][i], _cached_values(model, i, cache), pos, kpos,
+                             block.attn.window)
+      else:
+        rows, seqs, kpos_BW = cut
+        y = attention.attend(q, rows(cache["k"][i]), _cached_values(model, i, cache, rows, seqs),
+                             pos, kpos_BW, block.attn.window)
     x = x + block.attn.output(y)
     x = x + block.mlp(model_lib.rmsnorm(x))
   logits = model.logits(model_lib.rmsnorm(x))

@@ -52,6 +52,22 @@ def test_prefill_and_decode_equal_full_forward(preset):
                                err_msg=f"position {t}")
 
 
+def test_decode_step_reads_only_the_window():
+  """A sliding-window layer's decode step cuts the cache to the window + 1
+  positions its query sees (clamped at the cache's start); windows over half the
+  cache are read whole."""
+  start = jnp.asarray([3, 40], jnp.int32)
+  buf = jnp.arange(2 * 2 * 48, dtype=jnp.float32).reshape(4, 48, 1)  # rows b * K + h
+  ids = jnp.arange(2 * 48).reshape(2, 48)
+  rows, seqs, kpos = inference._window(8, start, 48, 2)
+  np.testing.assert_array_equal(np.asarray(kpos), [list(range(0, 9)), list(range(32, 41))])
+  lo_N = np.asarray([0, 0, 32, 32])  # each row takes its sequence's window
+  np.testing.assert_array_equal(np.asarray(rows(buf))[:, :, 0],
+                                np.arange(4)[:, None] * 48 + lo_N[:, None] + np.arange(9))
+  np.testing.assert_array_equal(np.asarray(seqs(ids)), np.asarray(kpos) + [[0], [48]])
+  assert inference._window(24, start, 48, 2) is None  # 25 of 48 positions: read whole
+
+
 def test_bank_layers_keep_no_values():
   bov = _model("gpt_base_v_from_value_emb_learn")  # 6 layers: banks 4, 5
   cache = inference.init_cache(bov, 1, 32)
