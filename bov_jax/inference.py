@@ -249,6 +249,12 @@ def sample_logits(logits_BV, key, temperature: float, top_k: int):
   return sample_softmax(z, key)
 
 
+def cache_length(prompt_len: int, max_new_tokens: int, multiple: int = 128) -> int:
+  """Cache positions a generation can reach (the last sampled token is not run),
+  rounded up to a multiple."""
+  return -(-(prompt_len + max_new_tokens) // multiple) * multiple
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "context", "max_new_tokens",
                                              "temperature", "top_k"))
 def generate(graphdef, params, prompts_BP, lengths_B, key, *, context: int,
@@ -256,11 +262,14 @@ def generate(graphdef, params, prompts_BP, lengths_B, key, *, context: int,
   """Batched prompts of different lengths (right-padded) -> [B, max_new_tokens] new ids.
 
   One prefill pass over the padded prompts, then a fori_loop of decode steps;
-  each sequence continues from its own length.
+  each sequence continues from its own length. The cache holds the positions the
+  generation can reach, P + max_new_tokens rounded up to 128 (`bank_decode`'s
+  blocks), not the whole context: every decode step reads each layer's cache, so
+  a short prompt at a long context reads a fraction of it.
   """
   model = nnx.merge(graphdef, params)
   B, P = prompts_BP.shape
-  cache = init_cache(model, B, context)
+  cache = init_cache(model, B, min(context, cache_length(P, max_new_tokens)))
   logits, cache = forward_cached(model, prompts_BP, cache)
   # the cache holds the padding too: rewind each sequence to its real length
   lengths_B = lengths_B.astype(jnp.int32)

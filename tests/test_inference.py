@@ -119,6 +119,22 @@ def test_cached_equals_uncached_generation(temperature, top_k):
   assert a == b and len(a) == 48
 
 
+def test_cache_holds_only_what_the_generation_reaches():
+  """A 4-token prompt and 10 new tokens at a 512-token context decode from a
+  128-position cache, to the same tokens as the full forward pass at 512."""
+  assert inference.cache_length(4, 10) == 128 and inference.cache_length(100, 60) == 256
+  m = _model("gpt_base_v_from_value_emb_learn", sequence_len=512, short_window=8)
+  graphdef, state = nnx.split(m)
+  params = nnx.to_pure_dict(state)
+  prompt = [5, 17, 3, 99]
+  args = (graphdef, params, jnp.asarray([prompt]), jnp.asarray([4]), jax.random.key(0))
+  hlo = inference.generate.lower(*args, context=512, max_new_tokens=10).as_text()
+  a = m.blocks[0].attn
+  assert f"{a.n_kv_head}x128x{a.head_dim}xf32" in hlo and f"x512x{a.head_dim}xf32" not in hlo
+  assert (inference.generate_cached(graphdef, params, prompt, 10, 512)
+          == inference.generate_uncached(graphdef, params, prompt, 10, 512))
+
+
 def test_top_k_sampling_stays_in_top_k():
   logits = jnp.asarray([[0.0, 5.0, 4.0, -1.0, 3.0]])
   seen = {int(inference.sample_logits(logits, jax.random.key(i), 1.0, 2)[0]) for i in range(200)}
