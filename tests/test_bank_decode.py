@@ -181,16 +181,21 @@ def test_kernel_lowers_for_its_backend(kernel, split):
   assert marker in exported(*shapes).mlir_module()
 
 
+def _perturbed(params):
+  """Weights moved off their initialisation: the output projections start at zero,
+  so at init no layer's values reach the logits."""
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  return jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape, x.dtype)
+                                   for x, k in zip(leaves, keys)])
+
+
 def _bov(decode_attention):
   # head dim 128 (the TPU kernel's lanes), two query heads on one kv head
   cfg = small_config(sequence_len=128, n_embd=256, n_head=2, n_kv_head=1)
   cfg.model.decode_attention = decode_attention
   m = model_lib.init_model(cfg, jax.random.key(0))
-  state = nnx.state(m)
-  leaves, tree = jax.tree.flatten(state)
-  keys = jax.random.split(jax.random.key(1), len(leaves))
-  nnx.update(m, jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape)
-                                          for x, k in zip(leaves, keys)]))
+  nnx.update(m, _perturbed(nnx.state(m)))
   return nnx.split(m)
 
 
@@ -221,6 +226,24 @@ def test_generation_with_the_kernel_equals_xla():
 
   a, b = steps(state, jnp.asarray([[7, 9, 11], [2, 4, 6]], jnp.int32))
   np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5, rtol=1e-5)
+
+
+def test_generation_on_a_mesh_with_the_kernel_equals_xla():
+  """Sample mode's setting: parameters sharded by the rules over a 2x2x2 mesh (the
+  tables' vocabulary over fsdp x tensor), one sequence; the kernel runs per vocab
+  shard and the tokens match XLA's sharded lookup."""
+  from bov_jax import train
+  mesh = _mesh((2, 2, 2))
+  out = {}
+  for impl in ("xla", "fused"):
+    cfg = small_config(sequence_len=128, n_embd=256, n_head=2, n_kv_head=1)
+    cfg.model.decode_attention = impl
+    graphdef, params, shardings = train.init_params(cfg, mesh, jax.random.key(0))
+    params = jax.jit(_perturbed, out_shardings=shardings)(params)  # c_proj starts at 0
+    with jax.set_mesh(mesh):
+      assert params["tables"]["layer_5"].sharding.spec[0] == ("fsdp", "tensor")
+      out[impl] = inference.generate_cached(graphdef, params, [5, 17, 3, 99], 20, 128)
+  assert out["fused"] == out["xla"] and len(out["xla"]) == 20
 
 
 def test_resolve_and_config():
