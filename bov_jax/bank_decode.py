@@ -98,7 +98,8 @@ def mesh_split(batch: int, table_rows: int):
 
 
 def _tpu_kernel(qpos_ref, vstart_ref, ids_ref, ids_next_ref, q_ref, k_ref, table_ref, o_ref,
-            vbuf, sems, m_ref, l_ref, acc_ref, *, K, window, local_rows, split):
+                vbuf, sems, m_ref, l_ref, acc_ref, *, K, window, local_rows, split):
+  """One (row, key block) grid step: the block's rows gathered by DMA, a block ahead."""
   n, j = pl.program_id(0), pl.program_id(1)
   b, h = _div(n, K), jax.lax.rem(n, np.int32(K))
   qpos = qpos_ref[b]
