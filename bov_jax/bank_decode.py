@@ -330,22 +330,21 @@ def attend(q_BTHE, k_NSE, ids_BS, table_VF, qpos_B, window: int, gamma=None,
     raise ValueError("bank_decode.attend: the mesh splits the batch and the table over a "
                      "shared axis; `resolve` sends this case to XLA's lookup")
   batch_axes, vocab = split
-  if not batch_axes and not vocab:
-    out = call(q_NGE, k_NSE, ids_BS, table_VF, qpos_B, jnp.zeros((1,), jnp.int32),
-               window=window, split=False, interpret=interpret)
-  else:
-    def local(q, k, ids, table, qpos):
-      if not vocab:
-        return call(q, k, ids, table, qpos, jnp.zeros((1,), jnp.int32), window=window,
-                    split=False, interpret=interpret)
-      vstart = (jax.lax.axis_index(vocab) * table.shape[0]).astype(jnp.int32)[None]
-      part = call(q, k, ids, table, qpos, vstart, window=window, split=True,
-                  interpret=interpret)
-      return jax.lax.psum(part.astype(jnp.float32), vocab).astype(part.dtype)
+
+  def local(q, k, ids, table, qpos):
+    # With a vocab-split table this shard's rows start at its index times its rows;
+    # the others count as zero here and the psum adds them.
+    vstart = jax.lax.axis_index(vocab) * table.shape[0] if vocab else 0
+    out = call(q, k, ids, table, qpos, jnp.asarray(vstart, jnp.int32)[None], window=window,
+               split=bool(vocab), interpret=interpret)
+    return jax.lax.psum(out.astype(jnp.float32), vocab).astype(out.dtype) if vocab else out
+
+  if batch_axes or vocab:
     rows = P(batch_axes or None)  # rows n = b * K + h: a batch split keeps a sequence's rows
-    out = jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
-                        in_specs=(rows, rows, rows, P(vocab or None, None), rows),
-                        out_specs=rows, check_vma=False)(q_NGE, k_NSE, ids_BS, table_VF, qpos_B)
+    local = jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
+                          in_specs=(rows, rows, rows, P(vocab or None, None), rows),
+                          out_specs=rows, check_vma=False)
+  out = local(q_NGE, k_NSE, ids_BS, table_VF, qpos_B)
   if gamma is not None:
     out = gamma.astype(out.dtype) * out
   return out.reshape(B, 1, H * E)

@@ -124,8 +124,8 @@ def _window(window: int, start_B, S: int, K: int):
     return None
   lo_B = jnp.clip(start_B - window, 0, S - W)  # the W positions hold start - window .. start
   lo_N = jnp.repeat(lo_B, K)
-  cut = lambda lo: jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, W, axis=0))
-  return (lambda x: cut(lo_N)(x, lo_N), lambda x: cut(lo_B)(x, lo_B),
+  cut = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, W, axis=0))
+  return (lambda x: cut(x, lo_N), lambda x: cut(x, lo_B),
           lo_B[:, None] + jnp.arange(W)[None, :])
 
 
@@ -179,13 +179,9 @@ def forward_cached(model, idx_BT, cache):
                              coeffs["gamma"][...] if "gamma" in coeffs else None)
     else:
       cut = _window(block.attn.window, start, S, block.attn.n_kv_head) if T == 1 else None
-      if cut is None:
-        y = attention.attend(q, cache["k"][i], _cached_values(model, i, cache), pos, kpos,
-                             block.attn.window)
-      else:
-        rows, seqs, kpos_BW = cut
-        y = attention.attend(q, rows(cache["k"][i]), _cached_values(model, i, cache, rows, seqs),
-                             pos, kpos_BW, block.attn.window)
+      rows, seqs, kp = cut or (lambda x: x, lambda x: x, kpos)
+      y = attention.attend(q, rows(cache["k"][i]), _cached_values(model, i, cache, rows, seqs),
+                           pos, kp, block.attn.window)
     x = x + block.attn.output(y)
     x = x + block.mlp(model_lib.rmsnorm(x))
   logits = model.logits(model_lib.rmsnorm(x))
