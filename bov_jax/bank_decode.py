@@ -15,7 +15,9 @@ stored-value layer with a cache that holds only ids.
        the splits' partial softmaxes are joined after (flash decoding).
 
 `model.decode_attention` picks: `auto` is the TPU kernel on TPU when it fits
-(`fits`) and XLA's gather elsewhere; `fused` asks for the backend's kernel (off
+(`fits`) and has compiled there for the layer's shapes (`compiles`: Mosaic's own
+compile has never run in this project, so a rejection falls back to XLA with a
+warning instead of failing the run), and XLA's gather elsewhere; `fused` asks for the backend's kernel (off
 TPU and GPU, the TPU kernel in the Pallas interpreter: slow, for tests); `xla`
 keeps the gather-then-attend path. Neither kernel's speed is measured
 (docs/performance.md): no TPU here, and no GPU was lent since they were written.
@@ -37,6 +39,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
@@ -64,19 +67,60 @@ def fits(context: int, head_dim: int, backend: str = "tpu") -> bool:
 
 
 def resolve(impl: str, context: int, head_dim: int, table_lookup: str, batch: int = 1,
-            table_rows: int = 0) -> str:
-  """`fused` or `xla` for this cache. `auto` is `fused` on TPU only: the GPU
-  kernel is there to be measured (scripts/gpu_bench.sh) before it becomes the
-  default. A cache the backend's kernel does not fit, tables kept in host memory
+            table_rows: int = 0, *, n_kv_head: int = 1, group: int = 1,
+            window: int | None = None, dtype=jnp.float32, table_dtype=jnp.float32) -> str:
+  """`fused` or `xla` for this cache. `auto` is `fused` on TPU only, and only once
+  the kernel has compiled there for this layer (`compiles`): the GPU kernel is
+  there to be measured (scripts/gpu_bench.sh) before it becomes the default. A
+  cache the backend's kernel does not fit, tables kept in host memory
   (`sample.tables_on_host`), and a mesh that splits the batch and the table over
-  a shared axis (`mesh_split`) take `xla`."""
+  a shared axis (`mesh_split`) take `xla`. The keyword arguments describe the
+  layer for `compiles`: kv heads, query heads per kv head, window (None: the
+  whole cache), compute and table dtypes."""
   backend = "gpu" if jax.default_backend() == "gpu" else "tpu"
-  if (table_lookup == "host" or not fits(context, head_dim, backend)
-      or mesh_split(batch, table_rows) is None):
+  split = mesh_split(batch, table_rows)
+  if table_lookup == "host" or not fits(context, head_dim, backend) or split is None:
     return "xla"
-  if impl == "auto":
-    return "fused" if jax.default_backend() == "tpu" else "xla"
-  return impl
+  if impl != "auto":
+    return impl
+  if jax.default_backend() != "tpu":
+    return "xla"
+  mesh = jax.sharding.get_abstract_mesh()
+  local_rows = (table_rows or BLOCK) // math.prod(mesh.shape[a] for a in split[1])
+  ok = compiles(n_kv_head, group, head_dim, context, min(context if window is None else window,
+                                                          context),
+                jnp.dtype(dtype).name, local_rows, jnp.dtype(table_dtype).name, bool(split[1]))
+  return "fused" if ok else "xla"
+
+
+@functools.lru_cache(maxsize=None)
+def compiles(n_kv_head: int, group: int, head_dim: int, context: int, window: int, dtype: str,
+             table_rows: int, table_dtype: str, split: bool) -> bool:
+  """Whether the TPU kernel compiles on this backend for one sequence of this
+  layer's shapes. `auto` asks this once per shape before it picks the kernel:
+  Mosaic's own compile (in libtpu) has never run in this project, which has had
+  no TPU at hand (docs/performance.md), so a kernel it rejects must not take a
+  TPU run's decoding down with it. A failure leaves XLA's gather, with a
+  warning naming the setting; `model.decode_attention=fused` skips the check
+  (and fails loudly)."""
+  K, E = n_kv_head, head_dim
+  args = [jax.ShapeDtypeStruct(s, d) for s, d in (
+      ((K, group, E), dtype), ((K, context, E), dtype), ((1, context), jnp.int32),
+      ((table_rows, K * E), table_dtype), ((1,), jnp.int32), ((1,), jnp.int32))]
+  call = functools.partial(_call_tpu, window=window, split=split, interpret=False)
+  try:
+    # One device, as the kernel runs (per shard, under `shard_map`, on a mesh).
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+      jax.jit(call).lower(*args).compile()
+  except Exception as e:  # pylint: disable=broad-except  (any compile failure means: not here)
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    logging.warning("model.decode_attention=auto: the fused bank-layer decode kernel did "
+                    "not compile on %s for head_dim=%d, %d query heads per kv head, "
+                    "context=%d (%s); decoding gathers with XLA instead. "
+                    "model.decode_attention=xla skips this check.",
+                    jax.default_backend(), E, group, context, first)
+    return False
+  return True
 
 
 def mesh_split(batch: int, table_rows: int):

@@ -134,9 +134,11 @@ def _fused_bank(model, i, batch, context) -> bool:
   gather it fuses; `model.decode_attention`)."""
   if i not in bank_layers(model):
     return False
-  a = model.blocks[i].attn
+  a, table = model.blocks[i].attn, model.tables[model.table_of[i]]
   return bank_decode.resolve(model.decode_attention, context, a.head_dim, model.table_lookup,
-                             batch, model.tables[model.table_of[i]].shape[0]) == "fused"
+                             batch, table.shape[0], n_kv_head=a.n_kv_head,
+                             group=a.n_head // a.n_kv_head, window=a.window,
+                             dtype=model.compute_dtype, table_dtype=table.dtype) == "fused"
 
 
 def _write(buf, new, start):

@@ -1,6 +1,7 @@
 """The fused bank-layer decode kernel: equal to gathering the values and attending,
 whole or over a vocab-split table, inside generation, and lowerable for TPU."""
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -133,6 +134,41 @@ def test_batch_and_vocabulary_on_one_axis_take_xla():
     assert bank_decode.mesh_split(8, 256) is None
     assert bank_decode.resolve("fused", 256, 128, "auto", batch=8, table_rows=256) == "xla"
     assert bank_decode.resolve("fused", 256, 128, "auto", batch=1, table_rows=256) == "fused"
+
+
+
+def test_auto_takes_the_tpu_kernel_only_where_it_compiles(monkeypatch, caplog):
+  """On TPU, `auto` compiles the kernel once for the layer's shapes before it
+  uses it (Mosaic's own compile has never run in this project): where it does
+  not compile, decoding keeps XLA's gather and a warning names the setting. Here
+  the backend claims to be a TPU; the kernel compiled for this CPU, not
+  interpreted, fails as a kernel Mosaic rejects would, and the interpreted one
+  compiles. The model's layers reach the check with their own shapes."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  layer = dict(n_kv_head=2, group=2, window=100, dtype=jnp.bfloat16)
+  graphdef, params = _bov("auto")
+  m = nnx.merge(graphdef, params)
+  bank = inference.bank_layers(m)
+  bank_decode.compiles.cache_clear()
+  with caplog.at_level(logging.WARNING):
+    assert bank_decode.resolve("auto", 256, 128, "auto", 1, 256, **layer) == "xla"
+    assert not any(inference._fused_bank(m, i, 1, 128) for i in bank)
+  assert "model.decode_attention=auto" in caplog.text
+  assert bank_decode.resolve("fused", 256, 128, "auto", 1, 256, **layer) == "fused"  # asked for
+  real = bank_decode._call_tpu
+  monkeypatch.setattr(bank_decode, "_call_tpu",
+                      lambda *a, interpret, **kw: real(*a, interpret=True, **kw))
+  bank_decode.compiles.cache_clear()
+  assert bank_decode.resolve("auto", 256, 128, "auto", 1, 256, **layer) == "fused"
+  assert bank and all(inference._fused_bank(m, i, 1, 128) for i in bank)
+  assert bank_decode.compiles.cache_info().misses == 1 + len({m.blocks[i].attn.window for i in bank})
+  bank_decode.compiles.cache_clear()
+  got = []  # inside a trace under a mesh, as a decode step asks; the kernel compiles per shard
+  with jax.set_mesh(_mesh((2, 2, 2))):
+    jax.jit(lambda x: got.append(bank_decode.resolve("auto", 256, 128, "auto", 2, 256, **layer))
+            or x)(jnp.ones(2))
+  assert got == ["fused"]
+  bank_decode.compiles.cache_clear()
 
 
 def test_dmas_and_semaphores_as_a_tpu_runs_them():
