@@ -171,21 +171,30 @@ def test_auto_takes_the_tpu_kernel_only_where_it_compiles(monkeypatch, caplog):
   bank_decode.compiles.cache_clear()
 
 
-def test_dmas_and_semaphores_as_a_tpu_runs_them():
+@pytest.mark.parametrize("cores", [1, 2])
+@pytest.mark.parametrize("B, K", [(3, 2), (3, 1)])
+def test_dmas_and_semaphores_as_a_tpu_runs_them(cores, B, K):
   """Pallas's TPU interpreter, which carries out DMAs and semaphore waits the way
-  the chip orders them (the plain interpreter copies at `start`), sees the same
-  output: no block reads rows before their DMAs have landed, and the rows
-  requested a block ahead go to the half of the buffer not being read."""
+  the chip orders them (the plain interpreter copies at `start`), with one or two
+  cores (a megacore chip runs each half of the rows on its own core, here in a
+  random order) and its race detector on, sees the same output: no block reads
+  rows before their DMAs have landed, and the rows requested ahead (the next
+  block, or at a row's last block the next row's first) go to the half of the
+  buffer not being read. Six rows split over two cores; three (K = 1) cannot
+  be, and run on one."""
+  from jax._src.pallas.mosaic.interpret import interpret_pallas_call
   from jax.experimental.pallas import tpu as pltpu
-  c = Case()
+  c = Case(B=B, K=K)
   q, k, ids, table, qpos = _inputs(c, seed=2)
   N = c.B * c.K
+  params = pltpu.InterpretParams(num_cores_or_threads=cores, detect_races=True, random_seed=3)
   got = bank_decode._call_tpu(q.reshape(N, c.G, c.E), k, ids, table, qpos,
-                          jnp.zeros((1,), jnp.int32), window=300, split=True,
-                          interpret=pltpu.InterpretParams())
+                              jnp.zeros((1,), jnp.int32), window=300, split=True,
+                              interpret=params)
   want = _gather_then_attend(q, k, ids, table, qpos, 300, 1.0)
   np.testing.assert_allclose(np.asarray(got).reshape(want.shape), np.asarray(want),
                              atol=2e-6, rtol=1e-5)
+  assert not interpret_pallas_call.races.races_found
 
 
 TRITON = "__gpu$xla.gpu.triton"
