@@ -136,7 +136,6 @@ def test_batch_and_vocabulary_on_one_axis_take_xla():
     assert bank_decode.resolve("fused", 256, 128, "auto", batch=1, table_rows=256) == "fused"
 
 
-
 def test_auto_takes_the_tpu_kernel_only_where_it_compiles(monkeypatch, caplog):
   """On TPU, `auto` compiles the kernel once for the layer's shapes before it
   uses it (Mosaic's own compile has never run in this project): where it does
@@ -144,11 +143,10 @@ def test_auto_takes_the_tpu_kernel_only_where_it_compiles(monkeypatch, caplog):
   the backend claims to be a TPU; the kernel compiled for this CPU, not
   interpreted, fails as a kernel Mosaic rejects would, and the interpreted one
   compiles. The model's layers reach the check with their own shapes."""
-  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-  layer = dict(n_kv_head=2, group=2, window=100, dtype=jnp.bfloat16)
-  graphdef, params = _bov("auto")
-  m = nnx.merge(graphdef, params)
+  m = nnx.merge(*_bov("auto"))
   bank = inference.bank_layers(m)
+  layer = dict(n_kv_head=2, group=2, window=100, dtype=jnp.bfloat16)
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   bank_decode.compiles.cache_clear()
   with caplog.at_level(logging.WARNING):
     assert bank_decode.resolve("auto", 256, 128, "auto", 1, 256, **layer) == "xla"
