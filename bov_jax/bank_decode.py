@@ -88,11 +88,12 @@ def resolve(impl: str, context: int, head_dim: int, table_lookup: str, batch: in
     return impl
   if jax.default_backend() != "tpu":
     return "xla"
-  mesh = jax.sharding.get_abstract_mesh()
-  local_rows = (table_rows or BLOCK) // math.prod(mesh.shape[a] for a in split[1])
-  ok = compiles(n_kv_head, group, head_dim, context, min(context if window is None else window,
-                                                          context),
-                jnp.dtype(dtype).name, local_rows, jnp.dtype(table_dtype).name, bool(split[1]))
+  vocab = split[1]
+  local_rows = (table_rows or BLOCK) // math.prod(
+      jax.sharding.get_abstract_mesh().shape[a] for a in vocab)
+  window = context if window is None else min(window, context)
+  ok = compiles(n_kv_head, group, head_dim, context, window, jnp.dtype(dtype).name, local_rows,
+                jnp.dtype(table_dtype).name, bool(vocab))
   return "fused" if ok else "xla"
 
 
