@@ -19,9 +19,9 @@ stored-value layer with a cache that holds only ids.
 `model.decode_attention` picks: `auto` is the TPU kernel on TPU when it fits
 (`fits`) and has compiled there for the layer's shapes (`compiles`: Mosaic's own
 compile has never run in this project, so a rejection falls back to XLA with a
-warning instead of failing the run), and XLA's gather elsewhere; `fused` asks for the backend's kernel (off
-TPU and GPU, the TPU kernel in the Pallas interpreter: slow, for tests); `xla`
-keeps the gather-then-attend path. Neither kernel's speed is measured
+warning instead of failing the run), and XLA's gather elsewhere; `fused` asks for
+the backend's kernel (off TPU and GPU, the TPU kernel in the Pallas interpreter:
+slow, for tests); `xla` keeps the gather-then-attend path. Neither kernel's speed is measured
 (docs/performance.md): no TPU here, and no GPU was lent since they were written.
 `scripts/gpu_bench.sh decode_test decode_xla decode_fused` measures the GPU one.
 
