@@ -2,6 +2,7 @@
 
   python -m bov_jax.bench train  --config=FILE [--json] [--steps=N] [--profile=DIR] [--config.k=v ...]
   python -m bov_jax.bench decode --config=FILE --contexts=256,1024 [--batch=B] [--json]
+  python -m bov_jax.bench dots   --config=FILE [--reference=torch] [--json] [--config.k=v ...]
 
 `train` compiles the real train step once (random tokens, the config's
 optimizer and accumulation), times warm steps and reports the median; with
@@ -10,6 +11,11 @@ optimizer and accumulation), times warm steps and reports the median; with
 torch.compile (needs a C++ compiler).
 `decode` builds the baseline (gpt_base) and the config's value mode at each
 context length and reports the cache's allocated bytes and decode throughput.
+`dots` reads every matmul of the compiled train step from its HLO (with how often
+it runs) and times each shape alone: where the backend's matmul library stands on
+the step's own shapes; with --reference=torch, PyTorch's time for the same ones.
+It reads XLA's `dot` instructions, which is what the CPU backend keeps; GPU and TPU
+compilers turn them into library calls and fusions (use `train --profile` there).
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ import collections
 import glob
 import gzip
 import json
+import math
 import os
+import re
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,16 +51,16 @@ _PROFILE = flags.DEFINE_string("profile", None, "train: after timing, trace one 
                                "Perfetto JSON).")
 _REFERENCE = flags.DEFINE_enum("reference", None, ["torch", "torch_compiled"],
                                "train: also time the PyTorch transcription (needs torch), "
-                               "eager or under torch.compile.")
+                               "eager or under torch.compile; dots: torch's matmuls.")
 
 
 def _emit(obj, as_json):
   print(json.dumps(obj) if as_json else "  ".join(f"{k}={v}" for k, v in obj.items()), flush=True)
 
 
-def train_stepper(cfg):
-  """(run, record): run() does one step of the real compiled train step on random
-  tokens (the config's optimizer and accumulation) and returns its seconds."""
+def _train_setup(cfg):
+  """The real compiled train step on random tokens (the config's optimizer and
+  accumulation): (mesh, step, [params, opt_state], (inputs, targets), record)."""
   from bov_jax import config as config_lib
   from bov_jax import optim
   from bov_jax import plan
@@ -64,7 +73,6 @@ def train_stepper(cfg):
   T = cfg.model.sequence_len
   accum = cfg.train.batch_tokens // (per_device * n_dev * T)
   graphdef, params, _ = train.init_params(cfg, mesh, jax.random.key(0))
-  fpt = plan.flops_per_token(cfg)
   tx = optim.make(cfg, 1000, plan.hyperparams(cfg))
   with jax.set_mesh(mesh):
     opt_state = jax.jit(tx.init)(params)
@@ -74,7 +82,17 @@ def train_stepper(cfg):
     x = jax.device_put(tokens[..., :-1], bsh)
     y = jax.device_put(tokens[..., 1:], bsh)
     step = jax.jit(train.make_train_step(graphdef, tx), donate_argnums=(0, 1))
-  state = [params, opt_state]
+  return mesh, step, [params, opt_state], (x, y), {
+      "preset": config_lib.value_mode(cfg).preset, "devices": n_dev,
+      "platform": jax.devices()[0].platform, "tokens_per_step": cfg.train.batch_tokens,
+      "flops_per_token": plan.flops_per_token(cfg)}
+
+
+def train_stepper(cfg):
+  """(run, record): run() does one step of the real compiled train step on random
+  tokens (the config's optimizer and accumulation) and returns its seconds."""
+  from bov_jax import plan
+  mesh, step, state, (x, y), meta = _train_setup(cfg)
 
   def run() -> float:
     with jax.set_mesh(mesh):
@@ -84,11 +102,11 @@ def train_stepper(cfg):
       return time.perf_counter() - t
 
   compile_s = run()
-  peak = plan.peak_flops() * n_dev
-  return run, {"bench": "train", "preset": config_lib.value_mode(cfg).preset, "devices": n_dev,
-               "platform": jax.devices()[0].platform,
-               "tokens_per_step": cfg.train.batch_tokens, "compile_s": compile_s,
-               "flops_per_token": fpt, "peak_flops": peak}
+  peak = plan.peak_flops() * meta["devices"]
+  return run, {"bench": "train", "preset": meta["preset"], "devices": meta["devices"],
+               "platform": meta["platform"], "tokens_per_step": meta["tokens_per_step"],
+               "compile_s": compile_s, "flops_per_token": meta["flops_per_token"],
+               "peak_flops": peak}
 
 
 def time_interleaved(runs: dict, steps: int, warmup: int, block: int = 5) -> dict:
@@ -165,6 +183,194 @@ def profile_summary(trace_dir: str, top: int = 25) -> str:
   lines += [f"  {us / 1e3:9.2f} ms {us / total:6.1%}  {name[:110]}"
             for name, us in by_name.most_common(top)]
   return "\n".join(lines)
+
+
+class Dot(NamedTuple):
+  """One matmul of a compiled HLO module. lhs/rhs: (dtype, shape, layout), the
+  layout minor-to-major as HLO prints it; dims: (lhs contracting, rhs contracting,
+  lhs batch, rhs batch)."""
+  out: str
+  lhs: tuple
+  rhs: tuple
+  dims: tuple
+
+  def flops(self) -> int:
+    (_, ls, _), (_, rs, _) = self.lhs, self.rhs
+    lc, rc, lb, rb = self.dims
+    free = lambda shape, used: math.prod(d for i, d in enumerate(shape) if i not in used)
+    return 2 * free(ls, lc + lb) * free(rs, rc + rb) * math.prod(ls[i] for i in lc + lb)
+
+  def describe(self) -> str:
+    (lt, ls, ll), (rt, rs, rl) = self.lhs, self.rhs
+    lc, rc, lb, rb = self.dims
+    dims = lambda d: "{" + ",".join(map(str, d)) + "}"
+    return (f"{lt}[{','.join(map(str, ls))}]{{{ll}}} x {rt}[{','.join(map(str, rs))}]{{{rl}}} "
+            f"-> {self.out}, contract {dims(lc)}x{dims(rc)}"
+            + (f", batch {dims(lb)}x{dims(rb)}" if lb else ""))
+
+
+_HLO_DEF = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\](?:\{([\d,]*)\})?")
+_HLO_DOT = re.compile(r"= (\w+)\[[\d,]*\]\S* dot\((?:\S+ )?%([\w.\-]+), (?:\S+ )?%([\w.\-]+)\)"
+                      r"(.*)")
+_HLO_CALLS = re.compile(r"\b(calls|body|to_apply|condition|called_computations|"
+                        r"branch_computations)=\{?(%[\w.\-]+(?:, %[\w.\-]+)*)\}?")
+
+
+def hlo_dots(hlo_text: str) -> collections.Counter:
+  """Dot -> how many times one run of the module executes it, from the text of a
+  compiled module: each computation counted once per call, a while loop's body
+  its known trip count times (a loop XLA cannot count is taken as one trip)."""
+  comps, entry, name = {}, None, None
+  for line in hlo_text.splitlines():
+    m = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if m:
+      name = m.group(2)
+      comps[name] = []
+      entry = name if m.group(1) else entry
+    elif name is not None and line.startswith(" "):
+      comps[name].append(line)
+  callees = collections.defaultdict(list)  # caller -> [(callee, times per call)]
+  callers = collections.Counter()
+  for caller, lines in comps.items():
+    for line in lines:
+      trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+      for kind, names in _HLO_CALLS.findall(line):
+        for callee in (n.strip().lstrip("%") for n in names.split(",")):
+          if callee in comps:
+            times = int(trip.group(1)) if kind == "body" and trip else 1
+            callees[caller].append((callee, times))
+            callers[callee] += 1
+  runs = collections.Counter({entry: 1})
+  ready = [c for c in comps if callers[c] == 0]
+  while ready:  # the call graph is a DAG: a count is complete once all its callers are
+    caller = ready.pop()
+    for callee, times in callees[caller]:
+      runs[callee] += runs[caller] * times
+      callers[callee] -= 1
+      if callers[callee] == 0:
+        ready.append(callee)
+  dots = collections.Counter()
+  for comp, lines in comps.items():
+    defs = {}
+    for line in lines:
+      m = _HLO_DEF.match(line)
+      if m:
+        defs[m.group(1)] = (m.group(2), tuple(int(d) for d in m.group(3).split(",") if d),
+                            m.group(4) if m.group(4) is not None else "")
+    for line in lines:
+      m = _HLO_DOT.search(line) if " dot(" in line else None
+      if m and runs[comp]:
+        out, a, b, rest = m.groups()
+        dims = dict(re.findall(r"(\w+_dims)=\{([\d,]*)\}", rest))
+        get = lambda k: tuple(int(d) for d in dims.get(k, "").split(",") if d)
+        numbers = (get("lhs_contracting_dims"), get("rhs_contracting_dims"),
+                   get("lhs_batch_dims"), get("rhs_batch_dims"))
+        dots[Dot(out, defs[a], defs[b], numbers)] += runs[comp]
+  return dots
+
+
+_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64"}
+
+
+def _operand(rng, dtype, shape, layout):
+  """A random operand stored as HLO lays it out, and the axes that view it logically."""
+  order = [int(d) for d in layout.split(",") if d][::-1] or list(range(len(shape)))
+  physical = rng.standard_normal([shape[i] for i in order]).astype("float32")
+  return physical, tuple(order.index(i) for i in range(len(shape))), _DTYPES[dtype]
+
+
+def time_dot(dot: Dot, reps: int = 15) -> float:
+  """Best seconds of this dot alone in a jitted call (operands in its layouts), less
+  the call overhead of a trivial jitted op."""
+  import numpy as np
+  rng = np.random.default_rng(0)
+  (la, lperm, lt), (ra, rperm, rt) = (_operand(rng, *dot.lhs), _operand(rng, *dot.rhs))
+  lc, rc, lb, rb = dot.dims
+  out = jnp.dtype(_DTYPES[dot.out])
+  f = jax.jit(lambda a, b: jax.lax.dot_general(
+      a.transpose(lperm), b.transpose(rperm), ((lc, rc), (lb, rb)), preferred_element_type=out))
+  g = jax.jit(lambda a: a + 1)
+  a, b = jnp.asarray(la, lt), jnp.asarray(ra, rt)
+
+  def best(fn, *args):
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+      t = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      ts.append(time.perf_counter() - t)
+    return min(ts)
+
+  return max(best(f, a, b) - best(g, jnp.ones(4)), 1e-9)
+
+
+def einsum_spec(dot: Dot) -> str:
+  """The dot as an einsum over its logical operands (batch, then lhs free, rhs free
+  dimensions out, as dot_general orders them)."""
+  lc, rc, lb, rb = dot.dims
+  letters = iter("abcdefghijklmnopqrstuvwxyz")
+  lhs, rhs = [None] * len(dot.lhs[1]), [None] * len(dot.rhs[1])
+  for i, j in list(zip(lb, rb)) + list(zip(lc, rc)):
+    lhs[i] = rhs[j] = next(letters)
+  out = "".join(lhs[i] for i in lb)
+  for side in (lhs, rhs):
+    for i, v in enumerate(side):
+      if v is None:
+        side[i] = next(letters)
+        out += side[i]
+  return f"{''.join(lhs)},{''.join(rhs)}->{out}"
+
+
+def time_dot_torch(dot: Dot, reps: int = 15) -> float:
+  """Best seconds of the same contraction in PyTorch (einsum, operands in the same
+  layouts), on as many threads as this host has cores."""
+  import numpy as np
+  import torch
+  torch.set_num_threads(os.cpu_count() or 1)
+  rng = np.random.default_rng(0)
+  (la, lperm, lt), (ra, rperm, rt) = (_operand(rng, *dot.lhs), _operand(rng, *dot.rhs))
+  a = torch.from_numpy(la).to(getattr(torch, lt)).permute(*lperm)
+  b = torch.from_numpy(ra).to(getattr(torch, rt)).permute(*rperm)
+  spec = einsum_spec(dot)
+  ts = []
+  for _ in range(reps + 2):
+    t = time.perf_counter()
+    torch.einsum(spec, a, b)
+    ts.append(time.perf_counter() - t)
+  return min(ts[2:])
+
+
+def bench_dots(cfg, reference: str | None = None) -> list[dict]:
+  """A record per distinct matmul of the compiled train step (slowest total first),
+  then a total record."""
+  mesh, step, state, xy, meta = _train_setup(cfg)
+  with jax.set_mesh(mesh):
+    dots = hlo_dots(step.lower(*state, *xy).compile().as_text())
+  if not dots:
+    raise ValueError(f"bench dots: the compiled train step on {meta['platform']} has no HLO dot "
+                     "instructions (GPU and TPU compilers turn them into library calls and "
+                     "fusions); use `bench train --profile=DIR` there")
+  recs = []
+  for dot, n in dots.items():
+    rec = {"bench": "dot", "count": n, "dot": dot.describe(), "gflop": n * dot.flops() / 1e9}
+    if dot.lhs[0] in _DTYPES and dot.rhs[0] in _DTYPES and dot.out in _DTYPES:
+      t = time_dot(dot)
+      rec.update(xla_ms=n * t * 1e3, xla_gflops=dot.flops() / t / 1e9)
+      if reference:
+        t = time_dot_torch(dot)
+        rec.update(torch_ms=n * t * 1e3, torch_gflops=dot.flops() / t / 1e9)
+    recs.append(rec)
+  recs.sort(key=lambda r: -r.get("xla_ms", 0.0))
+  total = {"bench": "dots", "preset": meta["preset"], "platform": meta["platform"],
+           "tokens_per_step": meta["tokens_per_step"], "dots": sum(dots.values()),
+           "gflop": sum(r["gflop"] for r in recs),
+           "step_model_gflop": meta["flops_per_token"] * meta["tokens_per_step"] / 1e9}
+  for lib in ("xla", "torch"):
+    if any(f"{lib}_ms" in r for r in recs):
+      total[f"{lib}_ms"] = sum(r.get(f"{lib}_ms", 0.0) for r in recs)
+      total[f"{lib}_gflops"] = (sum(r["gflop"] for r in recs if f"{lib}_ms" in r)
+                                / total[f"{lib}_ms"] * 1e3)
+  return recs + [total]
 
 
 def bench_train(cfg, steps: int, warmup: int, reference: str | None = None,
@@ -249,13 +455,18 @@ def bench_decode(cfg, contexts, batch: int, steps: int) -> list[dict]:
 
 def main(argv):
   logging.set_verbosity(logging.WARNING)
-  if len(argv) != 2 or argv[1] not in ("train", "decode"):
-    raise app.UsageError("usage: python -m bov_jax.bench {train|decode} --config=FILE [...]")
+  if len(argv) != 2 or argv[1] not in ("train", "decode", "dots"):
+    raise app.UsageError("usage: python -m bov_jax.bench {train|decode|dots} --config=FILE [...]")
   if _CONFIG.value is None:
     raise app.UsageError("--config=FILE is required")
   if argv[1] == "train":
     for rec in bench_train(_CONFIG.value, _STEPS.value, _WARMUP.value, _REFERENCE.value,
                            _PROFILE.value):
+      _emit(rec, _JSON.value)
+  elif argv[1] == "dots":
+    if _REFERENCE.value == "torch_compiled":
+      raise app.UsageError("dots: --reference=torch (each matmul alone, eager) or none")
+    for rec in bench_dots(_CONFIG.value, _REFERENCE.value):
       _emit(rec, _JSON.value)
   else:
     contexts = [int(c) for c in _CONTEXTS.value.split(",") if c.strip()]

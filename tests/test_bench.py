@@ -104,3 +104,64 @@ def test_profile_summary_on_cpu_names_ops_without_guessing_kinds(tmp_path):
   assert text.startswith("profile: 0.5 ms")
   assert "0.40 ms  80.0%  ynn_fusion.2" in text
   assert "ThunkExecutor" not in text and "matmul" not in text and "elementwise" not in text
+
+
+def test_hlo_dots_counts_each_matmul_by_its_loops():
+  """A dot inside a scan runs its trip count times; one in a loop inside that, the
+  product of both."""
+  import jax
+  import jax.numpy as jnp
+  from bov_jax import bench
+
+  def f(x, w, v, u):
+    def body(c, _):
+      c = jnp.tanh(c @ w)  # [8, 16] x [16, 16]: 5 times
+      e = jax.lax.fori_loop(0, 3, lambda i, e: jnp.tanh(e @ v), c[:4])  # [4, 16] x [16, 16]: 15
+      return c + e.sum(0), None
+    c, _ = jax.lax.scan(body, x, None, length=5)
+    return (c @ u).sum()  # [8, 16] x [16, 4]: once
+
+  args = (jnp.ones((8, 16)), jnp.eye(16), jnp.eye(16) * 0.5, jnp.ones((16, 4)))
+  text = jax.jit(f).lower(*args).compile().as_text()
+  assert " while(" in text  # the loops are still loops, so the trip counts are what count
+  dots = {(d.lhs[1], d.rhs[1]): n for d, n in bench.hlo_dots(text).items()}
+  assert dots == {((8, 16), (16, 16)): 5, ((4, 16), (16, 16)): 15, ((8, 16), (16, 4)): 1}
+  (dot,) = [d for d in bench.hlo_dots(text) if d.lhs[1] == (4, 16)]
+  assert dot.flops() == 2 * 4 * 16 * 16 and dot.dims == ((1,), (0,), (), ())
+  assert bench.time_dot(dot, reps=2) > 0
+
+
+def test_bench_dots_finds_the_train_steps_matmuls():
+  """`dots` reads the real step: the LM head's three matmuls over all its loss chunks
+  come to 3 x 2 x tokens x D x V, and the total record adds up the others."""
+  recs = _bench("dots", *SMALL, "--config.train.batch_tokens=1024",
+                "--config.train.device_batch_size=8")
+  *dots, total = recs
+  assert total["bench"] == "dots" and all(r["bench"] == "dot" for r in dots)
+  assert total["dots"] == sum(r["count"] for r in dots)
+  assert abs(total["gflop"] - sum(r["gflop"] for r in dots)) < 1e-9
+  assert abs(total["xla_ms"] - sum(r["xla_ms"] for r in dots)) < 1e-9 and total["xla_ms"] > 0
+  head = [r for r in dots if ",512]" in r["dot"]]  # V = 512
+  assert len(head) == 3
+  assert abs(sum(r["gflop"] for r in head) - 3 * 2 * 1024 * 64 * 512 / 1e9) < 1e-9
+  # the step's matmuls are at least the model's (and the optimizer's on top)
+  assert total["gflop"] > total["step_model_gflop"]
+
+
+def test_a_dot_timed_alone_is_the_same_contraction_in_its_layouts():
+  """The operands bench.time_dot / time_dot_torch build (stored as HLO lays them out,
+  viewed logically) and the einsum spec compute what the HLO dot computes."""
+  import jax
+  import numpy as np
+  from bov_jax import bench
+  dot = bench.Dot("f32", ("f32", (3, 4, 5), "1,2,0"), ("f32", (3, 6, 4), "2,1,0"),
+                  ((1,), (2,), (0,), (0,)))
+  rng = np.random.default_rng(0)
+  (la, lperm, _), (ra, rperm, _) = bench._operand(rng, *dot.lhs), bench._operand(rng, *dot.rhs)
+  assert la.shape == (3, 5, 4) and ra.shape == (3, 6, 4)  # major-to-minor: 0, 2, 1 and 0, 1, 2
+  a, b = la.transpose(lperm), ra.transpose(rperm)
+  assert a.shape == (3, 4, 5) and b.shape == (3, 6, 4)
+  want = jax.lax.dot_general(a, b, (((1,), (2,)), ((0,), (0,))))  # [3, 5, 6]
+  assert bench.einsum_spec(dot) == "abc,adb->acd"
+  np.testing.assert_allclose(np.einsum(bench.einsum_spec(dot), a, b), want, rtol=1e-5)
+  assert dot.flops() == 2 * 3 * 4 * 5 * 6
