@@ -21,6 +21,7 @@ compilers turn them into library calls and fusions (use `train --profile` there)
 from __future__ import annotations
 
 import collections
+import functools
 import glob
 import gzip
 import json
@@ -289,19 +290,24 @@ def time_dot(dot: Dot, reps: int = 15) -> float:
   out = jnp.dtype(_DTYPES[dot.out])
   f = jax.jit(lambda a, b: jax.lax.dot_general(
       a.transpose(lperm), b.transpose(rperm), ((lc, rc), (lb, rb)), preferred_element_type=out))
-  g = jax.jit(lambda a: a + 1)
-  a, b = jnp.asarray(la, lt), jnp.asarray(ra, rt)
+  return max(_best_seconds(f, (jnp.asarray(la, lt), jnp.asarray(ra, rt)), reps)
+             - _call_overhead(), 1e-9)
 
-  def best(fn, *args):
+
+def _best_seconds(fn, args, reps: int) -> float:
+  jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(reps):
+    t = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-      t = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      ts.append(time.perf_counter() - t)
-    return min(ts)
+    ts.append(time.perf_counter() - t)
+  return min(ts)
 
-  return max(best(f, a, b) - best(g, jnp.ones(4)), 1e-9)
+
+@functools.cache
+def _call_overhead() -> float:
+  """Seconds of a trivial jitted call, measured once per process."""
+  return _best_seconds(jax.jit(lambda a: a + 1), (jnp.ones(4),), 50)
 
 
 def einsum_spec(dot: Dot) -> str:
