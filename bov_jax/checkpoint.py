@@ -1,10 +1,13 @@
 """Run directories and orbax checkpoints.
 
-Layout of a workdir:
-  config.json            the run's full config (written once; a resume checks it)
+Layout of a workdir (local or gs://):
+  config.json            the run's config: a resume compares the config it is asked for
+                         with this one (refusing changes it cannot restore) and
+                         rewrites it with the changes it takes
+  config_changes.jsonl   one line per resume that changed a setting
   checkpoints/<step>/    orbax CheckpointManager steps; items `params` (parameters),
                          `opt` (optimizer state), `data` (iterator state), `meta`
-  metrics.jsonl, tokenizer.json
+  tokenizer.json, metrics.jsonl, events.out.tfevents.* (TensorBoard), DONE
 
 Orbax writes each step to a temporary directory and renames it when complete,
 so a killed run never leaves a half-written checkpoint that looks finished.
@@ -14,84 +17,118 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import jax
+import ml_collections
 import orbax.checkpoint as ocp
 from etils import epath
-from flax import nnx
+
+from bov_jax import config as config_lib
+
+
+class RunDirError(ValueError):
+  """A workdir that cannot hold, or resume, the requested run."""
+
+
+class CorruptCheckpointError(RuntimeError):
+  """Checkpoints exist but none of them reads back."""
+
+
+def path(workdir: str) -> epath.Path:
+  """The workdir as a path (absolute when local); an existing file is refused."""
+  p = epath.Path(workdir if "://" in workdir else os.path.abspath(workdir))
+  if p.exists() and not p.is_dir():
+    raise RunDirError(f"--workdir={workdir} is a file; expected a directory (new or a run's)")
+  return p
 
 
 def checkpoint_dir(workdir: str) -> str:
-  return os.path.join(os.path.abspath(workdir) if "://" not in workdir else workdir,
-                      "checkpoints")
+  return str(path(workdir) / "checkpoints")
+
+
+# -- the config of record -------------------------------------------------------------
+
+def read_config(workdir: str) -> ml_collections.ConfigDict | None:
+  """The workdir's config.json over the schema's defaults (so a config written before
+  a setting existed still reads), or None when there is none."""
+  p = path(workdir) / "config.json"
+  if not p.exists():
+    return None
+  cfg = config_lib.base_config()
+  for key, value in config_lib.flatten(json.loads(p.read_text())).items():
+    *parents, name = key.split(".")
+    node = cfg
+    for part in parents:
+      node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
+    if isinstance(node, ml_collections.ConfigDict) and name in node:
+      with node.ignore_type():
+        node[name] = value
+  return cfg
 
 
 def write_config(workdir: str, cfg) -> None:
-  d = epath.Path(workdir)
+  d = path(workdir)
   d.mkdir(parents=True, exist_ok=True)
   (d / "config.json").write_text(cfg.to_json(indent=2))
 
 
-def read_config(workdir: str):
-  import ml_collections
-  path = epath.Path(workdir) / "config.json"
-  if not path.exists():
-    raise FileNotFoundError(f"--workdir={workdir} holds no config.json (not a bov_jax run)")
-  return ml_collections.ConfigDict(json.loads(path.read_text()))
+def adopt_config(workdir: str, cfg, log=print, write: bool = True) -> None:
+  """Makes `cfg` the workdir's config of record. A new workdir takes it as is. A run's
+  workdir takes changes it can resume with (recorded in config_changes.jsonl) and
+  refuses the others (config.FIXED_ON_RESUME) naming each setting and both values.
+  Every process checks; only the one with `write` writes."""
+  old = read_config(workdir)
+  if old is None:
+    if write:
+      write_config(workdir, cfg)
+    return
+  delta = config_lib.changes(old, cfg)
+  fixed = config_lib.fixed_changes(delta)
+  if fixed:
+    lines = "\n".join(f"  {k}: the run has {a!r}, asked for {b!r}" for k, (a, b) in fixed.items())
+    raise RunDirError(
+        f"--workdir={workdir} holds a run whose checkpoints cannot restore into the requested "
+        f"config; these settings differ:\n{lines}\nUse a new --workdir, or leave them as the "
+        "run has them (--mode=eval and --mode=sample need no --config: they read the run's)")
+  if delta and write:
+    log("resuming with changed settings: "
+        + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in delta.items()))
+    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "after_step": Checkpoints(workdir, async_save=False).latest_step(),
+              "changes": {k: [a, b] for k, (a, b) in delta.items()}}
+    changes = path(workdir) / "config_changes.jsonl"
+    before = changes.read_text() if changes.exists() else ""
+    changes.write_text(before + json.dumps(record) + "\n")
+    write_config(workdir, cfg)
 
 
-def manager(workdir: str, keep: int = 3, async_save: bool = True) -> ocp.CheckpointManager:
-  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                         enable_async_checkpointing=async_save)
-  return ocp.CheckpointManager(checkpoint_dir(workdir), options=options)
+# -- orbax ------------------------------------------------------------------------------
+
+def _abstract(tree):
+  """What orbax restores into: shapes, dtypes and shardings (a single device where an
+  abstract leaf has none)."""
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+  def leaf(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or device)
+  return jax.tree.map(leaf, tree)
 
 
-def pure(state):
-  """An nnx.State as a plain nested dict of arrays (what orbax stores)."""
-  return nnx.to_pure_dict(state)
+class Checkpoints:
+  """A workdir's checkpoints: parameters, optimizer state, data iterator, metadata.
 
-
-def save_converted(workdir: str, cfg, model, step: int) -> str:
-  """Writes a model-only checkpoint (checkpoint import) and the config."""
-  write_config(workdir, cfg)
-  mgr = manager(workdir, async_save=False)
-  mgr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(pure(nnx.state(model)))),
-           force=True)
-  mgr.wait_until_finished()
-  mgr.close()
-  return os.path.join(checkpoint_dir(workdir), str(step))
-
-
-def restore_model(workdir: str, model, step: int | None = None) -> int:
-  """Loads the `params` item of a checkpoint into `model` in place; returns the step."""
-  mgr = manager(workdir, async_save=False)
-  step = mgr.latest_step() if step is None else step
-  if step is None:
-    raise FileNotFoundError(f"no checkpoint under {checkpoint_dir(workdir)}")
-  state = nnx.state(model)
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, pure(state))
-  restored = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
-  nnx.replace_by_pure_dict(state, restored["params"])
-  nnx.update(model, state)
-  mgr.close()
-  return step
-
-
-class CorruptCheckpointError(RuntimeError):
-  pass
-
-
-class TrainCheckpoints:
-  """Train-state checkpoints: parameters, optimizer state, data iterator, metadata.
-
-  Saves are asynchronous (training continues while orbax writes); a resume
-  restores the newest checkpoint that reads back, falling back past any that
-  is corrupt, and says which it skipped.
+  Saves are asynchronous (training continues while orbax writes). `restore` is the
+  one way back, for training (everything) and for evaluation (parameters only): the
+  newest checkpoint that reads back, falling back past any that is corrupt, saying
+  which it skipped.
   """
 
   def __init__(self, workdir: str, keep: int = 3, async_save: bool = True):
     self.workdir = workdir
-    self.mgr = manager(workdir, keep=keep, async_save=async_save)
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                           enable_async_checkpointing=async_save)
+    self.mgr = ocp.CheckpointManager(checkpoint_dir(workdir), options=options)
 
   def latest_step(self):
     return self.mgr.latest_step()
@@ -99,40 +136,54 @@ class TrainCheckpoints:
   def all_steps(self):
     return sorted(self.mgr.all_steps())
 
-  def save(self, step: int, params, opt_state, data_iter, meta: dict, force: bool = False):
-    import grain
-    args = ocp.args.Composite(
-        params=ocp.args.StandardSave(params),
-        opt=ocp.args.StandardSave(opt_state),
-        data=grain.checkpoint.CheckpointSave(data_iter),
-        meta=ocp.args.JsonSave(meta))
-    return self.mgr.save(step, args=args, force=force)
+  def save(self, step: int, params, opt_state=None, data_iter=None, meta: dict | None = None,
+           force: bool = False):
+    items = {"params": ocp.args.StandardSave(params), "meta": ocp.args.JsonSave(meta or {})}
+    if opt_state is not None:
+      items["opt"] = ocp.args.StandardSave(opt_state)
+    if data_iter is not None:
+      import grain
+      items["data"] = grain.checkpoint.CheckpointSave(data_iter)
+    return self.mgr.save(step, args=ocp.args.Composite(**items), force=force)
 
-  def restore(self, abstract_params, abstract_opt, data_iter, log=print):
-    """Restores the newest readable checkpoint into data_iter; returns
-    (step, params, opt_state, meta) or None when there is none."""
-    import grain
+  def restore(self, params, opt_state=None, data_iter=None, log=print):
+    """(step, params, opt_state or None, meta) of the newest readable checkpoint, or None
+    when there is none. `params` and `opt_state` give the shapes and shardings to restore
+    into (arrays or abstract); `data_iter` is restored in place."""
+    items = {"params": ocp.args.StandardRestore(_abstract(params))}
+    if opt_state is not None:
+      items["opt"] = ocp.args.StandardRestore(_abstract(opt_state))
+    if data_iter is not None:
+      import grain
+      items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
     for step in reversed(self.all_steps()):
       try:
-        out = self.mgr.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_params),
-            opt=ocp.args.StandardRestore(abstract_opt),
-            data=grain.checkpoint.CheckpointRestore(data_iter),
-            meta=ocp.args.JsonRestore()))
+        out = self.mgr.restore(step, args=ocp.args.Composite(**items))
       except Exception as e:  # noqa: BLE001 - any unreadable step: fall back, loudly
         log(f"warning: checkpoint {checkpoint_dir(self.workdir)}/{step} is unreadable "
             f"({type(e).__name__}: {str(e)[:200]}); trying the previous one")
         continue
-      return step, out["params"], out["opt"], out["meta"]
+      meta = {}
+      try:
+        meta = self.mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+      except Exception:  # noqa: BLE001 - a converted checkpoint may carry no metadata
+        pass
+      return step, out["params"], out.get("opt") if opt_state is not None else None, meta
     if self.all_steps():
       raise CorruptCheckpointError(
           f"no checkpoint under {checkpoint_dir(self.workdir)} could be read "
           f"(steps {self.all_steps()})")
     return None
 
-  def wait(self):
-    self.mgr.wait_until_finished()
-
   def close(self):
     self.mgr.wait_until_finished()
     self.mgr.close()
+
+
+def save_params(workdir: str, cfg, params, step: int) -> str:
+  """A parameters-only checkpoint and the config (checkpoint import)."""
+  write_config(workdir, cfg)
+  ckpts = Checkpoints(workdir, async_save=False)
+  ckpts.save(step, params, meta={"step": step}, force=True)
+  ckpts.close()
+  return f"{checkpoint_dir(workdir)}/{step}"

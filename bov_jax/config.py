@@ -1,19 +1,21 @@
-"""The configuration schema, its defaults, and the checks run before anything is built.
+"""The configuration schema: defaults, the allowed values of every setting, and the checks
+run on what a user wrote before anything is built.
 
-Config files in `configs/` start from `base_config()` and change what differs;
-every field can be overridden on the command line (`--config.model.n_layer=4`).
-Field names follow the reference (nanochat) where it has one.
+Config files in `configs/` start from `base_config()` and change what differs; every
+field can be overridden on the command line (`--config.model.n_layer=4`). Field names
+follow the reference (nanochat) where it has one. What the run uses is not this
+mutable dict but the frozen, resolved `spec.RunSpec` made from it once, at the
+boundary (`spec.resolve`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
 import ml_collections
 from ml_collections import config_dict
-
-from bov_jax import attention
-from bov_jax import values
 
 
 class ConfigError(ValueError):
@@ -21,7 +23,20 @@ class ConfigError(ValueError):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "dots", "dots_no_batch", "full")
+# model.attention: `auto` becomes Splash on TPU, `blocks` on CPU, cuDNN on GPU (spec.py)
+ATTENTION = ("auto", "xla", "cudnn", "blocks", "splash")
+SPLASH_BLOCK = 128  # Splash attention's sequence blocks are multiples of 128 rows
+# model.decode_attention: `auto` becomes `fused_if_compiles` on TPU, `xla` elsewhere
+DECODE_ATTENTION = ("auto", "xla", "fused")
+# model.table_lookup (sharding.table_lookup): `auto` is `shard_map`, which gathers
+# plainly wherever the table is not split
+TABLE_LOOKUPS = ("auto", "shard_map", "gather", "one_hot")
+# model.remat -> the jax.checkpoint_policies member each layer's backward keeps
+# (None: no remat; "nothing_saveable": only the layer's inputs)
+REMAT_POLICIES = {"none": None, "dots": "dots_saveable",
+                  "dots_no_batch": "dots_with_no_batch_dims_saveable", "full": "nothing_saveable"}
+TRISTATE = ("auto", "true", "false")
+POLAR_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -38,14 +53,14 @@ def base_config() -> ml_collections.ConfigDict:
   m.short_window = 0          # 0: the reference's rule, ceil((T // 4) / 128) * 128
   m.dtype = "float32"         # compute dtype (bfloat16 on accelerators)
   m.param_dtype = "float32"   # master weights
-  m.loss_chunk = 0            # rows per cross-entropy chunk (losses.py); 0: 256 on CPU
-                              # (cache-sized chunks measured fastest), 2048 elsewhere
-  m.table_lookup = "auto"     # auto | shard_map | gather | one_hot (see sharding.py)
-  m.attention = "auto"        # auto | xla | cudnn | blocks | splash (see attention.py)
+  m.loss_chunk = 0            # rows per cross-entropy chunk (kernels/loss.py); 0: 256 on
+                              # CPU (cache-sized chunks), 2048 elsewhere
+  m.table_lookup = "auto"     # auto | shard_map | gather | one_hot (sharding.py)
+  m.attention = "auto"        # auto | xla | cudnn | blocks | splash (kernels/attention.py)
   m.decode_attention = "auto" # auto | xla | fused: a bank layer's decode step with the
-                              # table gather inside the attention kernel (bank_decode.py)
+                              # table gather inside the attention kernel (kernels/bank_decode.py)
   m.remat = "none"            # none | dots | dots_no_batch | full: what each layer's
-                              # backward recomputes instead of storing (model.REMAT)
+                              # backward recomputes instead of storing
   m.value = v = ml_collections.ConfigDict()
   v.preset = ""               # a reference model_type name; sets the four below
   v.source = config_dict.placeholder(str)    # residual | x0 | v1 | table
@@ -57,7 +72,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.train = t = ml_collections.ConfigDict()
   t.batch_tokens = 524288     # tokens per optimizer step (all devices, all micro-batches)
   t.device_batch_size = 16    # rows per device per micro-batch
-  t.target_flops = 1.5e18     # sets num_iterations (SPEC section 3)
+  t.target_flops = 1.5e18     # sets num_iterations (FLOPs per token x tokens per step)
   t.num_iterations = 0        # > 0 overrides the FLOP budget
   t.seed = 0
   t.eval_every = 250
@@ -65,7 +80,7 @@ def base_config() -> ml_collections.ConfigDict:
   t.log_every = 1
   t.checkpoint_every = 1000
   t.keep_checkpoints = 3
-  t.sample_tokens = 64        # generated at the end of a run
+  t.sample_tokens = 64        # generated at the end of a run, from sample.prompt
   t.compile_cache_dir = "~/.cache/bov_jax/jax"  # JAX's persistent compilation cache: a
                               # restart or resume loads the compiled step ("" = off;
                               # the JAX_COMPILATION_CACHE_DIR environment variable wins)
@@ -104,6 +119,11 @@ def base_config() -> ml_collections.ConfigDict:
   sm.use_cache = True         # False: recompute the full forward pass per token
   sm.tables_on_host = False   # keep value tables in host memory, fetch rows per step
 
+  c.log = lg = ml_collections.ConfigDict()
+  lg.tensorboard = True       # TensorBoard event files in the run directory
+  lg.wandb_project = ""       # Weights & Biases project ("" = off; needs `pip install wandb`)
+  lg.wandb_entity = ""
+
   c.mesh = ms = ml_collections.ConfigDict()
   ms.data = -1
   ms.fsdp = 1
@@ -111,12 +131,17 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+def get_config() -> ml_collections.ConfigDict:
+  """The schema's defaults, for `--config` when a mode reads the run directory's config."""
+  return base_config()
+
+
 def depth_config(depth: int, preset: str = "gpt_base") -> ml_collections.ConfigDict:
   """The paper's shapes from depth (the reference's --depth): d = ceil(64 depth / 128) * 128,
   H = H_kv = d / 128, T = 2048, |V| = 32768, SSSL, bf16 compute.
 
-  The optimizer settings stay at their d12 base values: the code scales them by
-  batch size and width (SPEC section 4), which gives Table 6's d24 numbers.
+  The optimizer settings stay at their d12 base values: the optimizer scales them by
+  batch size and width (optim.hyperparams), which gives the paper's Table 6 at d24.
   """
   c = base_config()
   d = int(math.ceil(depth * 64 / 128) * 128)
@@ -128,38 +153,29 @@ def depth_config(depth: int, preset: str = "gpt_base") -> ml_collections.ConfigD
   return c
 
 
-def short_window(cfg) -> int:
-  T = cfg.model.sequence_len
-  if cfg.model.short_window > 0:
-    return cfg.model.short_window
-  return int(math.ceil((T // 4) / 128) * 128)
+def from_file(path: str) -> ml_collections.ConfigDict:
+  """get_config() of a config file, by path (config files may build on each other)."""
+  spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
 
 
-def window_sizes(cfg) -> list[int]:
-  """Per-layer attention window w: query i sees key j iff 0 <= i - j <= w."""
-  pattern = cfg.model.window_pattern.upper()
-  T = cfg.model.sequence_len
-  sizes = {"L": T, "S": short_window(cfg)}
-  ws = [sizes[pattern[i % len(pattern)]] for i in range(cfg.model.n_layer)]
-  ws[-1] = T  # the last layer always sees the full context
-  return ws
-
-
-def head_dim(cfg) -> int:
-  return cfg.model.n_embd // cfg.model.n_head
-
-
-def value_mode(cfg) -> values.ValueMode:
-  return values.resolve(cfg.model.value, cfg.model.n_layer)
-
+# -- checks -----------------------------------------------------------------------
 
 def _positive(name, value):
   if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
     raise ConfigError(f"{name}={value!r}: expected a positive integer")
 
 
-def validate(cfg) -> values.ValueMode:
-  """Checks the whole config; returns the resolved value mode."""
+def _choice(name, value, allowed):
+  if value not in allowed:
+    raise ConfigError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+
+
+def validate(cfg) -> None:
+  """Checks every setting that is not the value mode's (values.mode_from_config checks
+  those); raises ConfigError naming the setting and what is allowed."""
   m = cfg.model
   for name in ("n_layer", "n_embd", "n_head", "n_kv_head", "sequence_len", "vocab_size"):
     _positive(f"model.{name}", m[name])
@@ -175,45 +191,75 @@ def validate(cfg) -> values.ValueMode:
   if not pattern or set(pattern) - {"S", "L"}:
     raise ConfigError(
         f"model.window_pattern={m.window_pattern!r}: expected a string of S and L such as 'SSSL'")
-  if m.attention not in attention.IMPLS:
-    raise ConfigError(f"model.attention={m.attention!r}: expected one of "
-                      f"{', '.join(attention.IMPLS)}")
-  if m.attention == "splash" and not attention.splash_fits(m.sequence_len):
+  _choice("model.attention", m.attention, ATTENTION)
+  if m.attention == "splash" and m.sequence_len % SPLASH_BLOCK:
     raise ConfigError(f"model.attention='splash' needs model.sequence_len to be a multiple of "
-                      f"{attention.SPLASH_BLOCK} (Splash's block rows); got {m.sequence_len}")
-  from bov_jax import bank_decode
-  if m.get("decode_attention", "auto") not in bank_decode.IMPLS:
-    raise ConfigError(f"model.decode_attention={m.decode_attention!r}: expected one of "
-                      f"{', '.join(bank_decode.IMPLS)}")
-  if m.remat not in REMAT_POLICIES:
-    raise ConfigError(f"model.remat={m.remat!r}: expected one of {', '.join(REMAT_POLICIES)}")
+                      f"{SPLASH_BLOCK} (Splash's block rows); got {m.sequence_len}")
+  _choice("model.decode_attention", m.decode_attention, DECODE_ATTENTION)
+  _choice("model.remat", m.remat, tuple(REMAT_POLICIES))
+  _choice("model.table_lookup", m.table_lookup, TABLE_LOOKUPS)
+  for name in ("dtype", "param_dtype"):
+    _choice(f"model.{name}", m[name], DTYPES)
   if m.loss_chunk < 0:
     raise ConfigError(f"model.loss_chunk={m.loss_chunk}: expected >= 0 (0 = by backend)")
   if m.short_window < 0:
     raise ConfigError(f"model.short_window={m.short_window}: expected >= 0 (0 = reference rule)")
-  for name in ("dtype", "param_dtype"):
-    if m[name] not in DTYPES:
-      raise ConfigError(f"model.{name}={m[name]!r}: expected one of {', '.join(DTYPES)}")
-  from bov_jax import sharding
-  if m.table_lookup not in sharding.LOOKUPS:
-    raise ConfigError(f"model.table_lookup={m.table_lookup!r}: expected one of "
-                      f"{', '.join(sharding.LOOKUPS)}")
-  mode = values.resolve(m.value, m.n_layer)
-  if mode.combine == "gated_add" and m.n_embd < values.GATE_CHANNELS:
-    raise ConfigError(
-        f"model.value.combine='gated_add' reads {values.GATE_CHANNELS} channels; "
-        f"model.n_embd={m.n_embd} is smaller")
-  if cfg.optim.polar_dtype not in ("auto", "float32", "bfloat16"):
-    raise ConfigError(f"optim.polar_dtype={cfg.optim.polar_dtype!r}: expected auto, float32 "
-                      "or bfloat16")
+  _choice("optim.polar_dtype", cfg.optim.polar_dtype, POLAR_DTYPES)
   for name in ("muon_batched", "polar_gram"):
-    if cfg.optim[name] not in ("auto", "true", "false"):
-      raise ConfigError(f"optim.{name}={cfg.optim[name]!r}: expected auto, true or false")
+    _choice(f"optim.{name}", cfg.optim[name], TRISTATE)
   t = cfg.train
   _positive("train.batch_tokens", t.batch_tokens)
   _positive("train.device_batch_size", t.device_batch_size)
+  for name in ("eval_every", "log_every", "checkpoint_every", "keep_checkpoints"):
+    _positive(f"train.{name}", t[name])
   if t.num_iterations < 0:
     raise ConfigError(f"train.num_iterations={t.num_iterations}: expected >= 0 (0 = from budget)")
   if t.num_iterations == 0 and not t.target_flops > 0:
     raise ConfigError("train.target_flops must be > 0 when train.num_iterations is 0")
-  return mode
+  _positive("data.val_every", cfg.data.val_every)
+
+
+# -- a run directory's config against the one asked for ------------------------------
+
+# Settings a resumed run cannot change: they fix the parameters' shapes, the value
+# mode, the vocabulary, or which documents and in what order the data iterator reads.
+FIXED_ON_RESUME = (
+    "model.n_layer", "model.n_embd", "model.n_head", "model.n_kv_head", "model.sequence_len",
+    "model.vocab_size", "model.window_pattern", "model.short_window", "model.param_dtype",
+    "model.value", "data.corpus", "data.val_every", "train.seed", "train.batch_tokens",
+)
+
+
+def flatten(cfg) -> dict:
+  """{"model.n_layer": 12, ...} of a ConfigDict or a plain nested dict."""
+  d = cfg.to_dict() if hasattr(cfg, "to_dict") else cfg
+  out = {}
+
+  def walk(prefix, node):
+    for k, v in node.items():
+      if isinstance(v, dict):
+        walk(f"{prefix}{k}.", v)
+      else:
+        out[f"{prefix}{k}"] = v
+  walk("", d)
+  return out
+
+
+def changes(old, new) -> dict:
+  """{setting: (old value, new value)} for every setting both configs have and that differs.
+  The value mode is compared as resolved (a preset and its four settings are the same mode)."""
+  from bov_jax import values
+  a, b = flatten(old), flatten(new)
+  out = {k: (a[k], b[k]) for k in sorted(set(a) & set(b))
+         if a[k] != b[k] and not k.startswith("model.value.")}
+  ma = values.mode_from_config(old["model"]["value"], old["model"]["n_layer"])
+  mb = values.mode_from_config(new["model"]["value"], new["model"]["n_layer"])
+  if ma.settings() != mb.settings():
+    out["model.value"] = (ma.describe(), mb.describe())
+  return out
+
+
+def fixed_changes(delta: dict) -> dict:
+  """The part of `changes(...)` a resume cannot take."""
+  return {k: v for k, v in delta.items()
+          if any(k == f or k.startswith(f + ".") for f in FIXED_ON_RESUME)}

@@ -1,32 +1,35 @@
 """Import checkpoints of the reference PyTorch code (nanochat, bank_of_values branch).
 
 `from_nanochat(state_dict, model_type, **dims)` maps the reference's parameter
-names (SPEC section 2, last paragraph) onto a bov_jax model. PyTorch Linear
+names (its gpt.py state_dict) onto a bov_jax model. PyTorch Linear
 weights are stored [out, in]; ours are [in, out], so they are transposed.
 
-Command (torch is imported only here):
+Command (torch is imported lazily, only to read a .pt file):
 
   python -m bov_jax.convert --checkpoint=model_000500.pt --meta=meta_000500.json \
-      --workdir=DIR [--model_type=NAME]
+      --workdir=DIR [--model_type=NAME] [--step=N]
 
-writes a bov_jax checkpoint (step from the file name, model only) and
+writes a bov_jax checkpoint (step from the file name, parameters only) and
 DIR/config.json, so `--workdir=DIR` modes can load it.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import sys
 
 import jax.numpy as jnp
 import numpy as np
+from absl import app
+from absl import flags
+from absl import logging
 from flax import nnx
 
 from bov_jax import config as config_lib
 from bov_jax import model as model_lib
+from bov_jax import spec as spec_lib
 
 DIMS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
         "window_pattern")
@@ -115,7 +118,7 @@ def load_state_dict(model: model_lib.GPT, state_dict: dict) -> list[str]:
 def from_nanochat(state_dict: dict, model_type: str, **dims) -> model_lib.GPT:
   """A fp32 bov_jax model holding the reference's weights; model(tokens) -> logits [B,T,V]."""
   cfg = config_for(model_type, **dims)
-  model = model_lib.build(cfg)
+  model = model_lib.GPT(spec_lib.resolve(cfg).model)
   dropped = load_state_dict(model, state_dict)
   if dropped:
     logging.info("from_nanochat: dropped unused reference tensors: %s", ", ".join(dropped))
@@ -179,21 +182,26 @@ def convert_file(checkpoint: str, meta: str, workdir: str, model_type: str | Non
   if step is None:
     m = re.search(r"(\d+)", os.path.basename(checkpoint))
     step = int(m.group(1)) if m else 0
-  cfg = config_for(model_type, **info["dims"])
-  return ckpt_lib.save_converted(workdir, cfg, model, step)
+  return ckpt_lib.save_params(workdir, config_for(model_type, **info["dims"]),
+                              nnx.to_pure_dict(nnx.state(model)), step)
 
 
-def main(argv=None) -> int:
-  import argparse
-  p = argparse.ArgumentParser(prog="python -m bov_jax.convert", description=__doc__.split("\n")[0])
-  p.add_argument("--checkpoint", required=True, help="reference model_*.pt (or .npz)")
-  p.add_argument("--meta", required=True, help="reference meta_*.json")
-  p.add_argument("--workdir", required=True, help="bov_jax run directory to write")
-  p.add_argument("--model_type", default=None, help="reference variant, if meta lacks it")
-  p.add_argument("--step", type=int, default=None)
-  a = p.parse_args(argv)
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "reference model_*.pt (or .npz)")
+_META = flags.DEFINE_string("meta", None, "reference meta_*.json")
+_WORKDIR = flags.DEFINE_string("workdir", None, "bov_jax run directory to write")
+_MODEL_TYPE = flags.DEFINE_string("model_type", None, "reference variant, if meta lacks it")
+_STEP = flags.DEFINE_integer("step", None, "checkpoint step (default: from the file name)")
+
+
+def main(argv) -> int:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  for name, flag in (("checkpoint", _CHECKPOINT), ("meta", _META), ("workdir", _WORKDIR)):
+    if flag.value is None:
+      raise app.UsageError(f"--{name} is required")
   try:
-    path = convert_file(a.checkpoint, a.meta, a.workdir, a.model_type, a.step)
+    path = convert_file(_CHECKPOINT.value, _META.value, _WORKDIR.value, _MODEL_TYPE.value,
+                        _STEP.value)
   except (ConversionError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -202,4 +210,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  app.run(lambda argv: sys.exit(main(argv)))

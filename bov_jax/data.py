@@ -4,7 +4,7 @@
     -> split: document i is validation iff i % data.val_every == 0 (fixed forever)
     -> this process's part: documents [process_index::process_count]
     -> grain MapDataset: repeat + shuffle (train), tokenize with BOS
-    -> PackedRows: rows of T+1 tokens, best-fit with cropping (SPEC section 5)
+    -> PackedRows: rows of T+1 tokens, best-fit with cropping
     -> grain batch: [device_batch_size * local devices, T+1]
 
 The packer is the one transform written by hand: grain packs by padding or by
@@ -183,7 +183,7 @@ def shard(docs, process_index: int, process_count: int) -> Subset:
 # -- packing -------------------------------------------------------------------
 
 class PackedRows(grain.IterDataset):
-  """Rows of `row_len` tokens, BOS-aligned best fit with cropping (SPEC section 5).
+  """Rows of `row_len` tokens, BOS-aligned best fit with cropping.
 
   Reads tokenized documents in order from a MapDataset (indices 0, 1, 2, ...).
   Each row: take the largest buffered document that fits the space left; when
@@ -219,9 +219,7 @@ class _PackedRowsIterator(grain.DatasetIterator):
     space = self.row_len
     while space > 0:
       self._fill()
-      if not self._buffer:
-        if row:  # an unfinished last row is dropped, never padded
-          pass
+      if not self._buffer:  # the documents ran out: an unfinished row is dropped, not padded
         raise StopIteration
       k = bisect.bisect_right(self._buffer, (space, float("inf")), key=lambda e: e[:2]) - 1
       if k >= 0:  # the largest document that fits

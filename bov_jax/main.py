@@ -1,11 +1,14 @@
 """Entry point: `python -m bov_jax.main --config=FILE [--workdir=DIR] [--mode=MODE]`.
 
-Flags and mode dispatch only; each mode lives in its own module.
+Flags and mode dispatch only; each mode lives in its own module. A run directory is
+the source of truth: given one that holds a run, `--config` may be left out (the
+run's config.json is read, and `--config.*` overrides apply to it).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from absl import app
@@ -15,7 +18,9 @@ from ml_collections import config_flags
 
 MODES = ("train", "plan", "eval", "sample")
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections config file.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.py"),
+    "ml_collections config file (optional with a --workdir that holds a run).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, tokenizer).")
 _MODE = flags.DEFINE_enum("mode", "train", MODES, "What to do.")
 _DISTRIBUTED = flags.DEFINE_enum(
@@ -25,7 +30,6 @@ _DISTRIBUTED = flags.DEFINE_enum(
 
 
 def _multi_host_env() -> bool:
-  import os
   hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
   return "," in hosts or bool(os.environ.get("JAX_COORDINATOR_ADDRESS"))
 
@@ -34,32 +38,62 @@ def _print_json(obj) -> None:
   print(json.dumps(obj), flush=True)
 
 
+def _override_keys(argv) -> list[str]:
+  """The settings given as --config.KEY=VALUE (or --config.KEY VALUE) on the command line."""
+  return [a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.")]
+
+
+def config_for(mode: str, workdir: str | None, parsed, given: bool, argv):
+  """The config a mode runs: --config's file with its overrides, or, without --config,
+  the run directory's config.json with the command line's overrides applied to it."""
+  from bov_jax import checkpoint
+  if given:
+    return parsed
+  saved = checkpoint.read_config(workdir) if workdir else None
+  if saved is None:
+    where = f"--workdir={workdir} holds no config.json" if workdir else "no --workdir was given"
+    raise app.UsageError(f"--config=FILE is required ({where}); for example "
+                         "--config=configs/tiny.py")
+  for key in _override_keys(argv):
+    *parents, name = key.split(".")
+    src, dst = parsed, saved
+    for part in parents:
+      src, dst = src[part], dst[part]
+    with dst.ignore_type():
+      dst[name] = src[name]
+  return saved
+
+
 def run(mode: str, cfg, workdir: str | None) -> int:
-  from bov_jax import config as config_lib
-  try:
-    config_lib.validate(cfg)
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  if mode == "plan":
-    from bov_jax import plan
-    _print_json(plan.make_plan(cfg))
-    return 0
+  """Runs a mode; returns the exit code (2: bad input, 1: the run failed)."""
+  from bov_jax import checkpoint
+  from bov_jax import spec as spec_lib
   from bov_jax import train
   try:
+    spec = spec_lib.resolve(cfg)
+    if mode == "plan":
+      from bov_jax import plan
+      _print_json(plan.make_plan(spec))
+      return 0
+    if mode != "train" and not workdir:
+      raise ValueError(f"--mode={mode} needs --workdir=DIR holding a run's checkpoint")
+    if workdir:
+      checkpoint.path(workdir)  # a file is refused here, by name
+    from bov_jax import modes
+    from bov_jax import run as run_lib
+    run_lib.use_compile_cache(spec.train.compile_cache_dir)
     if mode == "train":
-      train.train(cfg, workdir)
+      train.train(spec, workdir)
       return 0
-    if mode == "eval":
-      _print_json(train.evaluate_checkpoint(cfg, workdir))
-      return 0
-    if mode == "sample":
-      _print_json(train.sample_checkpoint(cfg, workdir))
-      return 0
-  except (ValueError, FileNotFoundError, train.TrainError) as e:  # incl. BundleError
+    checkpoint.adopt_config(workdir, cfg, write=False)  # refuses what cannot restore
+    _print_json(modes.evaluate(spec, workdir) if mode == "eval" else modes.sample(spec, workdir))
+    return 0
+  except (ValueError, FileNotFoundError) as e:  # config, data, run-directory, bundle errors
     print(f"error: {e}", file=sys.stderr)
-    return 1 if isinstance(e, train.TrainError) else 2
-  raise AssertionError(mode)  # absl restricts --mode to MODES
+    return 2
+  except (train.TrainError, checkpoint.CorruptCheckpointError) as e:  # the run failed
+    print(f"error: {e}", file=sys.stderr)
+    return 1
 
 
 def main(argv):
@@ -67,19 +101,15 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _CONFIG.value is None:
-    raise app.UsageError("--config=FILE is required (for example configs/tiny.py)")
+  cfg = config_for(_MODE.value, _WORKDIR.value, _CONFIG.value, _CONFIG.present, sys.argv)
   if _MODE.value != "plan" and (_DISTRIBUTED.value == "true" or
                                 (_DISTRIBUTED.value == "auto" and _multi_host_env())):
     import jax
     jax.distributed.initialize()
-  if _MODE.value != "plan":
-    from bov_jax import train
-    train.use_compile_cache(_CONFIG.value)
-  sys.exit(run(_MODE.value, _CONFIG.value, _WORKDIR.value))
+  sys.exit(run(_MODE.value, cfg, _WORKDIR.value))
 
 
 if __name__ == "__main__":
   from bov_jax import hostmem
-  hostmem.reexec_with_huge_pages()  # before jax starts: see hostmem.py
+  hostmem.reexec_with_huge_pages()  # before jax starts, CPU runs only: see hostmem.py
   app.run(main)

@@ -1,4 +1,5 @@
-"""The paper's optimizer (SPEC section 4): Muon for block matrices, AdamW groups for the rest.
+"""The paper's optimizer (Table 6; the reference's optim.py): Muon for block matrices,
+AdamW groups for the rest.
 
 optax's `contrib.muon` is a different Muon (no variance reduction, other
 coefficients, no cautious weight decay), so the reference's is written here as
@@ -75,7 +76,7 @@ def polar_express(u, dtype=jnp.float32, gram: bool = True):
   bf16 x bf16 -> f32 matmuls at 250-310 GFLOP/s here, against ~170 for f32 and ~150
   for bf16 outputs.
   gram: matrices of aspect >= 1.5 take the Gram-space form (fewer FLOPs;
-  `_polar_express_gram`).
+  `_polar_express_gram`; its accuracy: docs/design.md, "Optimizer").
   """
   x = u.astype(jnp.float32)
   x = (x / (jnp.linalg.norm(x) * 1.01 + 1e-6)).astype(dtype)
@@ -107,15 +108,8 @@ def _polar_express_gram(x, tall, mm):
   p(A) = a + b A + c A^2. Everything is a polynomial in G = X0^T X0, so these
   commute: X_k = X0 Q_k with Q_{k+1} = Q_k p(A_k), and A_{k+1} = p(A_k) A_k p(A_k).
   For an s x L matrix that is 17 s^3 matmuls plus two s^2 L ones instead of
-  five times (two s^2 L + one s^3): 44% fewer FLOPs at the MLP's 4:1. Squaring
-  the condition number is harmless in float32 (errors below 1e-3 of the largest
-  entry on matrices with singular values down to 1e-6, against 0.08-2.4 for the
-  reference's bfloat16 iteration; tests/test_optim.py). The Gram space itself is
-  never bfloat16: there the squared condition number loses the small singular
-  values (errors of 100x the largest entry at singular values down to 1e-6). With X
-  in bfloat16, X^T X is still, to float32 rounding, the Gram matrix of the rounded
-  X, so the error is X's rounding: 0.005 of the largest entry, against 0.027 for
-  the bf16 direct iteration.
+  five times (two s^2 L + one s^3): 44% fewer FLOPs at the MLP's 4:1. The Gram
+  space is always float32, where squaring the condition number is harmless.
   """
   gram = mm(x.T, x) if tall else mm(x, x.T)
   eye = jnp.eye(gram.shape[0], dtype=gram.dtype)
@@ -141,7 +135,8 @@ def _second_shape(shape):
 
 
 def muon_direction(g, buf, buf2, momentum, polar_dtype=jnp.float32, polar_gram=True):
-  """One matrix's Muon direction and new buffers (steps 1-3 of SPEC section 4)."""
+  """One matrix's Muon direction and new buffers: momentum (no bias correction), Polar
+  Express, then variance reduction rescaled to the same Frobenius norm."""
   g = g.astype(jnp.float32)
   buf = momentum * buf + (1 - momentum) * g
   u = (1 - momentum) * g + momentum * buf
@@ -162,8 +157,7 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
   """The reference's Muon. learning_rate, momentum, weight_decay: step -> value.
 
   batched: matrices of one shape go through Polar Express together, one
-  batched matmul per step (faster on accelerators; on CPU, one matrix at a
-  time measured faster, see docs/performance.md).
+  batched matmul per step (optim.muon_batched).
   polar_dtype, polar_gram: see `polar_express`.
   """
   direction = functools.partial(muon_direction, polar_dtype=polar_dtype, polar_gram=polar_gram)
@@ -234,12 +228,13 @@ def labels(params):
   return jax.tree_util.tree_map_with_path(f, params)
 
 
-def hyperparams(cfg, scaling_params: int, ref_scaling_params: int) -> dict:
-  """Effective learning rates and Muon weight decay for this config (SPEC section 4)."""
-  o = cfg.optim
-  d = cfg.model.n_embd
-  dmodel_scale = (d / 768) ** -0.5
-  batch_scale = math.sqrt(cfg.train.batch_tokens / 2 ** 19)
+def hyperparams(o, n_embd: int, batch_tokens: int, scaling_params: int,
+                ref_scaling_params: int) -> dict:
+  """Effective learning rates and Muon weight decay (the reference's scaling): every
+  base LR times sqrt(batch_tokens / 2^19), embedding-like ones also by (d/768)^-0.5,
+  and the weight decay by D_ref/D (parameters of the dense layout, this run's against d12)."""
+  dmodel_scale = (n_embd / 768) ** -0.5
+  batch_scale = math.sqrt(batch_tokens / 2 ** 19)
   return {
       "unembed": o.unembedding_lr * dmodel_scale * batch_scale,
       "embed": o.embedding_lr * dmodel_scale * batch_scale,
@@ -252,32 +247,8 @@ def hyperparams(cfg, scaling_params: int, ref_scaling_params: int) -> dict:
   }
 
 
-def polar_dtype(cfg) -> str:
-  """optim.polar_dtype, with auto resolved: bfloat16, the reference's (with float32
-  accumulation, the fastest form on CPU too)."""
-  return "bfloat16" if cfg.optim.polar_dtype == "auto" else cfg.optim.polar_dtype
-
-
-def polar_gram(cfg) -> bool:
-  """optim.polar_gram, with auto resolved: on CPU, where the Gram-space form of a 4:1
-  matrix (44% fewer FLOPs, the small products in float32) is faster than the direct
-  iteration (8 MLP matrices 33 vs 53 ms in bf16); off on GPU/TPU, where bf16 matmuls
-  run at several times the float32 rate."""
-  if cfg.optim.polar_gram != "auto":
-    return cfg.optim.polar_gram == "true"
-  return jax.default_backend() == "cpu"
-
-
-def muon_batched(cfg) -> bool:
-  """optim.muon_batched, with auto resolved: batched on GPU/TPU; on CPU one matrix
-  at a time measured faster (docs/performance.md)."""
-  if cfg.optim.muon_batched != "auto":
-    return cfg.optim.muon_batched == "true"
-  return jax.default_backend() != "cpu"
-
-
-def make(cfg, num_iterations: int, hp: dict) -> optax.GradientTransformation:
-  o = cfg.optim
+def make(o, num_iterations: int, hp: dict) -> optax.GradientTransformation:
+  """The whole optimizer for an OptimSpec `o`, with `hp` from `hyperparams`."""
   mult = lambda it: lr_multiplier(it, num_iterations, o.warmup_steps, o.warmdown_ratio,
                                   o.final_lr_frac)
   groups = {}
@@ -288,6 +259,5 @@ def make(cfg, num_iterations: int, hp: dict) -> optax.GradientTransformation:
       learning_rate=lambda it: hp["muon"] * mult(it),
       momentum=lambda it: muon_momentum(it, num_iterations, o.warmdown_ratio),
       weight_decay=lambda it: muon_weight_decay(it, num_iterations, hp["muon_weight_decay"]),
-      batched=muon_batched(cfg),
-      polar_dtype=jnp.dtype(polar_dtype(cfg)), polar_gram=polar_gram(cfg))
+      batched=o.muon_batched, polar_dtype=jnp.dtype(o.polar_dtype), polar_gram=o.polar_gram)
   return optax.partition(groups, labels)

@@ -9,21 +9,23 @@ core.json when `--mode=eval --config.eval.core_bundle=...` ran on it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 import numpy as np
-
-from bov_jax import values
+from absl import app
+from absl import flags
 
 
 def load_run(workdir: str) -> dict:
   from bov_jax import checkpoint
-  from bov_jax import config as config_lib
   from bov_jax import plan
+  from bov_jax import spec as spec_lib
   cfg = checkpoint.read_config(workdir)
+  if cfg is None:
+    raise FileNotFoundError(f"{workdir} has no config.json (not a bov_jax run)")
+  spec = spec_lib.resolve(cfg)
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
     raise FileNotFoundError(f"{workdir} has no metrics.jsonl (has it trained?)")
@@ -33,20 +35,28 @@ def load_run(workdir: str) -> dict:
   if os.path.exists(os.path.join(workdir, "core.json")):
     with open(os.path.join(workdir, "core.json")) as f:
       core = json.load(f)
-  mode = config_lib.value_mode(cfg)
   return {"dir": workdir, "name": os.path.basename(os.path.normpath(workdir)), "cfg": cfg,
-          "mode": mode, "metrics": metrics, "core": core,
-          "flops_per_token": plan.flops_per_token(cfg),
-          "targets": values.target_layers(mode, cfg.model.n_layer)}
+          "mode": spec.model.value, "metrics": metrics, "core": core,
+          "flops_per_token": plan.flops_per_token(spec.model),
+          "targets": spec.model.target_layers}
 
 
 def coefficients(workdir: str) -> dict:
   """{layer: {gamma|alpha|beta: value}} from the run's latest checkpoint."""
+  from flax import nnx
   from bov_jax import checkpoint
   from bov_jax import model as model_lib
+  from bov_jax import spec as spec_lib
   cfg = checkpoint.read_config(workdir)
-  model = model_lib.build(cfg)
-  step = checkpoint.restore_model(workdir, model)
+  if cfg is None:
+    raise FileNotFoundError(f"{workdir} has no config.json (not a bov_jax run)")
+  abstract = model_lib.abstract(spec_lib.resolve(cfg).model)
+  restored = checkpoint.Checkpoints(workdir, async_save=False).restore(
+      nnx.to_pure_dict(nnx.state(abstract)))
+  if restored is None:
+    raise FileNotFoundError(f"no checkpoint under {checkpoint.checkpoint_dir(workdir)}")
+  step, params = restored[0], restored[1]
+  model = nnx.merge(nnx.graphdef(abstract), params)
   out = {}
   for i, block in enumerate(model.blocks):
     if len(block.attn.coeffs):
@@ -146,32 +156,35 @@ def plots(runs, out: str) -> list[str]:
   return written
 
 
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m bov_jax.report")
-  ap.add_argument("runs", nargs="+", help="run directories (workdirs)")
-  ap.add_argument("--out", default=None, help="where to write PNGs and results.md")
-  ap.add_argument("--coeffs", action="store_true", help="print learned coefficients as JSON")
-  a = ap.parse_args(argv)
+_OUT = flags.DEFINE_string("out", None, "where to write PNGs and results.md")
+_COEFFS = flags.DEFINE_bool("coeffs", False, "print learned coefficients as JSON")
+
+
+def main(argv) -> int:
+  """argv[1:]: run directories (workdirs)."""
+  runs = argv[1:]
+  if not runs:
+    raise app.UsageError("give one or more run directories")
   try:
-    if a.coeffs:
-      for d in a.runs:
+    if _COEFFS.value:
+      for d in runs:
         print(json.dumps({"run": d, **coefficients(d)}))
       return 0
-    if not a.out:
-      ap.error("--out=DIR is required (or --coeffs)")
-    runs = [load_run(d) for d in a.runs]
+    if not _OUT.value:
+      raise app.UsageError("--out=DIR is required (or --coeffs)")
+    loaded = [load_run(d) for d in runs]
   except (FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  os.makedirs(a.out, exist_ok=True)
-  written = plots(runs, a.out)
-  md = os.path.join(a.out, "results.md")
+  os.makedirs(_OUT.value, exist_ok=True)
+  written = plots(loaded, _OUT.value)
+  md = os.path.join(_OUT.value, "results.md")
   with open(md, "w") as f:
-    f.write(markdown_table(runs))
+    f.write(markdown_table(loaded))
   written.append(md)
   print(json.dumps({"written": written}))
   return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  app.run(lambda argv: sys.exit(main(argv)))

@@ -15,6 +15,8 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from bov_jax.config import ConfigError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
@@ -29,29 +31,30 @@ RULES = {
 }
 
 
-def mesh_shape(cfg, n_devices: int | None = None) -> tuple[int, int, int]:
+def mesh_shape(mesh_cfg, n_devices: int | None = None) -> tuple[int, int, int]:
+  """(data, fsdp, tensor) from the `mesh` settings: -1 takes the remaining devices."""
   n = jax.device_count() if n_devices is None else n_devices
-  sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
+  sizes = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor]
   free = [i for i, s in enumerate(sizes) if s == -1]
   if len(free) > 1:
-    raise ValueError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+    raise ConfigError("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
   if any(s == 0 or s < -1 for s in sizes):
-    raise ValueError(f"mesh sizes must be positive or -1; got data={sizes[0]}, "
+    raise ConfigError(f"mesh sizes must be positive or -1; got data={sizes[0]}, "
                      f"fsdp={sizes[1]}, tensor={sizes[2]}")
   fixed = math.prod(s for s in sizes if s != -1)
   if free:
     if n % fixed:
-      raise ValueError(f"{n} devices are not divisible by the fixed mesh sizes (product {fixed})")
+      raise ConfigError(f"{n} devices are not divisible by the fixed mesh sizes (product {fixed})")
     sizes[free[0]] = n // fixed
   if math.prod(sizes) != n:
-    raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = "
+    raise ConfigError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = "
                      f"{math.prod(sizes)} devices, but {n} are available")
   return tuple(sizes)
 
 
-def make_mesh(cfg, devices=None) -> jax.sharding.Mesh:
+def make_mesh(mesh_cfg, devices=None) -> jax.sharding.Mesh:
   devices = jax.devices() if devices is None else devices
-  shape = mesh_shape(cfg, len(devices))
+  shape = mesh_shape(mesh_cfg, len(devices))
   # Auto axes: sharding propagates through plain gathers (Explicit axes would
   # demand an out_sharding on every lookup).
   return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
@@ -107,15 +110,17 @@ def global_batch(local: np.ndarray, mesh, leading_dims: int = 1):
 # -- value-table lookups ----------------------------------------------------------------
 #
 # A BoV table is [V, kv_dim] per target layer, split over its vocabulary axis
-# (`table_vocab` -> fsdp x tensor). Three ways to read rows E[idx]:
+# (`table_vocab` -> fsdp x tensor). model.table_lookup reads rows E[idx] one of these
+# ways:
 #   shard_map  each device gathers the rows it owns (others masked to zero), then
 #              psum over the vocab axes -- or psum_scatter over an axis that also
 #              splits the batch. Only activations move; the backward is a local
-#              scatter-add. The default wherever the table is split.
+#              scatter-add. The default (`auto`); a plain gather where the table is
+#              not split.
 #   gather     jnp.take under the compiler's sharding propagation.
 #   one_hot    one_hot(idx) @ E: a matmul, which all-gathers an FSDP-split table.
-
-LOOKUPS = ("auto", "shard_map", "gather", "one_hot", "host")
+#   host       (inference only, sample.tables_on_host) the table in host memory,
+#              gathered there; only the rows move to the device.
 
 
 # -- value tables in host memory (inference) -------------------------------------------
@@ -169,7 +174,7 @@ def table_axes(mesh, n_rows: int):
   return (spec,) if isinstance(spec, str) else tuple(spec)
 
 
-def table_lookup(table_VD, idx_BT, impl: str = "auto"):
+def table_lookup(table_VD, idx_BT, impl: str = "shard_map"):
   """Rows of a (possibly vocab-split) table for token ids, [B, T, D]."""
   mesh = jax.sharding.get_abstract_mesh()
   if impl == "host":

@@ -15,7 +15,6 @@ as many steps as its own FLOPs per token allow, as in the paper.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import itertools
 import json
@@ -23,6 +22,9 @@ import os
 import shlex
 import subprocess
 import sys
+
+from absl import app
+from absl import flags
 
 BUDGET_KEYS = ("train.target_flops", "train.num_iterations")
 
@@ -99,24 +101,31 @@ def finished(workdir: str) -> bool:
   return os.path.exists(os.path.join(workdir, "DONE"))
 
 
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m bov_jax.sweep", description=__doc__.split("\n")[0])
-  ap.add_argument("--sweep", required=True)
-  ap.add_argument("--workdir_root", default="runs")
-  mode = ap.add_mutually_exclusive_group(required=True)
-  mode.add_argument("--print", action="store_true", help="print one command per point")
-  mode.add_argument("--local", action="store_true", help="run the points here, in turn")
-  args, extra = ap.parse_known_args(argv)
+def _define_flags():
+  """The command's flags, defined only when it runs as a command: sweep files import
+  this module for its helpers, and a second definition would clash."""
+  flags.DEFINE_string("sweep", None, "sweep file (configs/sweeps/NAME.py)")
+  flags.DEFINE_string("workdir_root", "runs", "each point runs in WORKDIR_ROOT/NAME")
+  flags.DEFINE_bool("print", False, "print one command per point")
+  flags.DEFINE_bool("local", False, "run the points here, in turn")
+
+
+def main(argv) -> int:
+  """argv: what absl left unparsed, the --config.* overrides every point passes on."""
+  f = flags.FLAGS
+  extra = argv[1:]
   bad = [e for e in extra if not e.startswith("--config.")]
   if bad:
-    ap.error(f"unexpected arguments {bad}: only --config.* overrides pass through")
+    raise app.UsageError(f"unexpected arguments {bad}: only --config.* overrides pass through")
+  if f.sweep is None or f.print == f.local:
+    raise app.UsageError("--sweep=FILE and one of --print or --local are required")
   try:
-    sweep = load(args.sweep)
+    sweep = load(f.sweep)
   except SweepError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  cmds = commands(sweep, args.workdir_root, extra)
-  if args.print:
+  cmds = commands(sweep, f.workdir_root, extra)
+  if f.print:
     for _, argv in cmds:
       print(shlex.join(argv))
     return 0
@@ -130,9 +139,11 @@ def main(argv=None) -> int:
     if rc != 0:
       print(f"[sweep] {name} failed with exit code {rc}", file=sys.stderr)
       return rc
-  print(json.dumps({"sweep": args.sweep, "points": [n for n, _ in cmds]}))
+  print(json.dumps({"sweep": f.sweep, "points": [n for n, _ in cmds]}))
   return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  _define_flags()
+  app.run(lambda argv: sys.exit(main(argv)),
+          flags_parser=lambda argv: flags.FLAGS(argv, known_only=True))

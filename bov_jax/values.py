@@ -1,6 +1,7 @@
 """Value modes: where an attention layer's value vector comes from.
 
-A value mode is four orthogonal settings (SPEC section 2) plus one flag:
+A value mode is four orthogonal settings (the paper's four ablation axes, Section 4)
+plus one flag:
 
   source   residual | x0 | v1 | table     what the context-free value V~ is
   combine  replace | add | gated_add | scale   how V~ meets V = x W_v
@@ -11,8 +12,9 @@ A value mode is four orthogonal settings (SPEC section 2) plus one flag:
 
 The paper's variants are named presets of these (the reference's `model_type`
 names). Everything that depends on the mode -- which parameters a layer owns,
-how its value is combined, how many value matmuls it runs -- is decided here,
-so the model and the FLOPs plan never test flags of their own.
+how its value is combined, how many value matmuls it runs, what a decoding
+cache keeps for it -- is decided here, so the model, the FLOPs plan and the
+cache never test flags of their own.
 """
 
 from __future__ import annotations
@@ -47,13 +49,21 @@ class ValueMode:
   def is_baseline(self) -> bool:
     return self.source == "residual" and self.combine == "replace"
 
+  def settings(self) -> dict:
+    """The four settings and the flag (what makes two modes the same mode)."""
+    return _p(self.source, self.combine, self.coeff, self.layers, self.shared_table)
+
+  def describe(self) -> str:
+    return self.preset or f"{self.source}/{self.combine}/{self.coeff}/{self.layers}" + (
+        "/shared" if self.shared_table else "")
+
 
 def _p(source, combine, coeff, layers="last_third", shared_table=False):
   return dict(source=source, combine=combine, coeff=coeff, layers=layers,
               shared_table=shared_table)
 
 
-# The reference's model_type names (SPEC section 2 table) as four settings.
+# The reference's model_type names (its gpt.py variants) as four settings.
 PRESETS = {
     "gpt_base": _p("residual", "replace", "fixed"),
     "gpt_base_v_scale_learn": _p("residual", "scale", "learned"),
@@ -83,7 +93,7 @@ PRESETS = {
 BOV_PRESET = "gpt_base_v_from_value_emb_learn"
 
 
-def resolve(value_cfg, n_layer: int) -> ValueMode:
+def mode_from_config(value_cfg, n_layer: int) -> ValueMode:
   """Turns `config.model.value` (a preset and/or the four settings) into a ValueMode.
 
   A preset supplies all four settings; any setting given explicitly (not None)
@@ -105,10 +115,9 @@ def resolve(value_cfg, n_layer: int) -> ValueMode:
     if get(key) is not None:
       settings[key] = get(key)
   mode = ValueMode(preset=preset, **settings)
-  validate(mode, n_layer)
+  check(mode, n_layer)
   # A preset whose settings were overridden no longer names the run's variant.
-  if preset and PRESETS[preset] != _p(mode.source, mode.combine, mode.coeff,
-                                      mode.layers, mode.shared_table):
+  if preset and PRESETS[preset] != mode.settings():
     mode = dataclasses.replace(mode, preset="")
   return mode
 
@@ -119,7 +128,8 @@ def _check_choice(name, value, allowed):
         f"model.value.{name}={value!r} is not allowed; expected one of {', '.join(allowed)}")
 
 
-def validate(mode: ValueMode, n_layer: int) -> None:
+def check(mode: ValueMode, n_layer: int) -> None:
+  """Raises ValueModeError for an unknown or contradictory setting."""
   _check_choice("source", mode.source, SOURCES)
   _check_choice("combine", mode.combine, COMBINES)
   _check_choice("coeff", mode.coeff, COEFFS)
@@ -199,9 +209,17 @@ class LayerValue:
   coeff: str = "fixed"
 
   @property
-  def has_wv(self) -> bool:
-    """Replace from a table or from V1 leaves the layer without a value matrix."""
+  def computes_v(self) -> bool:
+    """Whether the layer owns a value matrix W_v (and a decoding cache keeps its values):
+    replace from a table or from V1 leaves it without one. Its values are then a
+    function of token ids (`is_bank`: gathered when the layer runs) or layer 0's
+    (read from layer 0's cache)."""
     return not (self.target and self.combine == "replace" and self.source in ("table", "v1"))
+
+  @property
+  def is_bank(self) -> bool:
+    """A Bank of Values layer: its value is (gamma times) its table's row for the token."""
+    return self.target and self.combine == "replace" and self.source == "table"
 
   @property
   def uses_v(self) -> bool:  # V = x W_v reaches the output
@@ -244,7 +262,7 @@ def table_keys(mode: ValueMode, n_layer: int) -> dict[int, str]:
 
 
 def combine(lv: LayerValue, v, v_tilde, coeffs: dict, gate_input=None, gate_w=None):
-  """The value a target layer attends over (SPEC section 2 table).
+  """The value a target layer attends over (the paper's Table 1 rows).
 
   v, v_tilde: [B, T, H_kv, dh] (v may be None where the layer has no W_v).
   coeffs: the layer's scalar coefficients by name; gate_input [B, T, >=12].

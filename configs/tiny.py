@@ -22,7 +22,7 @@ def get_config():
   c.train.device_batch_size = 16
   c.train.num_iterations = 300
   # 4096-token steps are 1/128 of the paper's batch, and the code scales every LR by
-  # sqrt(batch / 2^19) (SPEC section 4); base LRs 4x the paper's keep the tiny model
+  # sqrt(batch / 2^19) (optim.hyperparams); base LRs 4x the paper's keep the tiny model
   # learning within a few minutes on a laptop CPU.
   c.optim.matrix_lr = 0.08
   c.optim.embedding_lr = 1.2

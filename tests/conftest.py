@@ -2,7 +2,6 @@
 import atexit
 import os
 import shutil
-import sys
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -19,9 +18,6 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 
 # This process compiles everything afresh: tests here read compiled HLO and costs.
 jax.config.update("jax_compilation_cache_dir", None)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-  sys.path.insert(0, ROOT)
 
 import pytest  # noqa: E402
 

@@ -1,9 +1,12 @@
-"""Shared test fixtures: small configs and an independent numpy oracle of the SPEC."""
+"""Shared test fixtures: small configs and an independent numpy oracle of the reference's
+forward pass."""
 from __future__ import annotations
 
 import numpy as np
 
 from bov_jax import config as config_lib
+from bov_jax import model as model_lib
+from bov_jax import spec as spec_lib
 
 
 def small_config(preset: str = "gpt_base_v_from_value_emb_learn", **model):
@@ -18,7 +21,20 @@ def small_config(preset: str = "gpt_base_v_from_value_emb_learn", **model):
   return c
 
 
-# --- a numpy transcription of SPEC sections 1-2, on reference parameter names ----
+def run_spec(cfg, backend=None):
+  return spec_lib.resolve(cfg, backend)
+
+
+def model_spec(cfg):
+  return spec_lib.resolve(cfg).model
+
+
+def init_model(cfg, key):
+  """An initialised model of a config (resolved, then model.init)."""
+  return model_lib.init(model_spec(cfg), key)
+
+
+# --- a numpy transcription of the reference's forward pass, on its parameter names ----
 # Written independently of bov_jax (its own variant table, float64 math), so a
 # formula or a name mapping that drifts in the package fails the comparison.
 
@@ -103,7 +119,7 @@ def _rope(x, T):  # x [B, T, N, dh], half-split, base 100000
 
 
 def reference_logits(sd, model_type, dims, idx):
-  """float64 forward pass of SPEC sections 1-2 on a reference state_dict."""
+  """float64 forward pass of the reference's model on a reference state_dict."""
   sd = {k: np.asarray(v, np.float64) for k, v in sd.items()}
   d, H, K, L, T_ctx = (dims["n_embd"], dims["n_head"], dims["n_kv_head"], dims["n_layer"],
                        dims["sequence_len"])

@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from bov_jax import attention
 from bov_jax import config as config_lib
-from bov_jax import model as model_lib
-from tests.helpers import small_config
+from bov_jax.kernels import attention
+from tests.helpers import init_model, run_spec, small_config
 
 
 def _qkv(B=1, T=256, H=4, K=2, E=128, seed=0):
@@ -95,15 +94,15 @@ def test_model_with_splash_matches_xla_and_short_sequences_fall_back():
   idx = jnp.asarray(np.random.default_rng(0).integers(0, 100, (2, 129)), jnp.int32)
   losses = []
   for impl in ("splash", "xla"):
-    m = model_lib.init_model(small_config(sequence_len=128, attention=impl, n_head=2,
+    m = init_model(small_config(sequence_len=128, attention=impl, n_head=2,
                                           n_kv_head=1, n_embd=256), jax.random.key(0))
     losses.append(float(m.loss(idx[:, :-1], idx[:, 1:])))
   np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
-  assert attention.resolve("splash", 64) == "xla"      # an evaluation bucket
-  assert attention.resolve("splash", 256) == "splash"
+  assert attention.kernel_for("splash", 64) == "xla"      # an evaluation bucket
+  assert attention.kernel_for("splash", 256) == "splash"
   auto = {"tpu": "splash", "cpu": "blocks"}.get(jax.default_backend(), "xla")
-  assert attention.resolve("auto", 256) == auto
-  assert attention.resolve("blocks", 128) == attention.resolve("blocks", 200) == "xla"
+  assert run_spec(small_config(attention="auto")).model.attention == auto
+  assert attention.kernel_for("blocks", 128) == attention.kernel_for("blocks", 200) == "xla"
 
 
 def test_cudnn_is_chosen_only_where_it_applies():
@@ -111,12 +110,11 @@ def test_cudnn_is_chosen_only_where_it_applies():
   (jax.nn's own default is XLA, so `auto` must name cuDNN on GPU)."""
   gpu = jax.default_backend() == "gpu"
   bf16 = jnp.bfloat16
-  assert attention.resolve("cudnn", 2048, bf16, 128) == ("cudnn" if gpu else "xla")
-  assert attention.resolve("cudnn", 2048, jnp.float16, 64) == ("cudnn" if gpu else "xla")
-  if gpu:
-    assert attention.resolve("auto", 2048, bf16, 128) == "cudnn"
+  assert attention.kernel_for("cudnn", 2048, bf16, 128) == ("cudnn" if gpu else "xla")
+  assert attention.kernel_for("cudnn", 2048, jnp.float16, 64) == ("cudnn" if gpu else "xla")
+  assert run_spec(small_config(attention="auto"), backend="gpu").model.attention == "cudnn"
   for dtype, head_dim in ((jnp.float32, 128), (bf16, 256), (bf16, 36)):
-    assert attention.resolve("cudnn", 2048, dtype, head_dim) == "xla"
+    assert attention.kernel_for("cudnn", 2048, dtype, head_dim) == "xla"
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs a GPU")
@@ -146,7 +144,7 @@ def test_cudnn_follows_float32_attention(window, H, K):
 ])
 def test_bad_attention_settings_are_named(settings, message):
   with pytest.raises(config_lib.ConfigError, match=message):
-    config_lib.validate(small_config(**settings))
+    run_spec(small_config(**settings))
 
 
 def test_train_step_with_splash_on_a_mesh_equals_one_device():

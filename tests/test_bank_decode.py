@@ -10,13 +10,16 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from bov_jax import attention
-from bov_jax import bank_decode
 from bov_jax import config as config_lib
 from bov_jax import inference
+from bov_jax import kvcache
 from bov_jax import model as model_lib
 from bov_jax import sharding
-from tests.helpers import small_config
+from bov_jax import step as step_lib
+from bov_jax.kernels import attention
+from bov_jax.kernels import bank_decode
+from bov_jax.kernels import bank_decode_tpu
+from tests.helpers import run_spec, small_config
 
 
 @dataclasses.dataclass
@@ -99,7 +102,12 @@ def test_positions_past_the_query_do_not_count(kernel):
 def _mesh(shape):
   cfg = small_config()
   cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = shape
-  return sharding.make_mesh(cfg)
+  return sharding.make_mesh(cfg.mesh)
+
+
+def _fused(m, i, batch, context):
+  """Whether layer i of model m decodes through the kernel (kvcache's choice)."""
+  return kvcache.fused_bank(m.blocks[i].attn, batch, context, m.table(i), m.compute_dtype)
 
 
 @pytest.mark.parametrize("kernel, shape, batch", [
@@ -132,8 +140,8 @@ def test_batch_and_vocabulary_on_one_axis_take_xla():
   other devices, so the decode step keeps XLA's lookup, which moves rows."""
   with jax.set_mesh(_mesh((1, 8, 1))):
     assert bank_decode.mesh_split(8, 256) is None
-    assert bank_decode.resolve("fused", 256, 128, "auto", batch=8, table_rows=256) == "xla"
-    assert bank_decode.resolve("fused", 256, 128, "auto", batch=1, table_rows=256) == "fused"
+    assert bank_decode.kernel_for("fused", 256, 128, "shard_map", batch=8, table_rows=256) == "xla"
+    assert bank_decode.kernel_for("fused", 256, 128, "shard_map", batch=1, table_rows=256) == "fused"
 
 
 def test_auto_takes_the_tpu_kernel_only_where_it_compiles(monkeypatch, caplog):
@@ -143,27 +151,32 @@ def test_auto_takes_the_tpu_kernel_only_where_it_compiles(monkeypatch, caplog):
   the backend claims to be a TPU; the kernel compiled for this CPU, not
   interpreted, fails as a kernel Mosaic rejects would, and the interpreted one
   compiles. The model's layers reach the check with their own shapes."""
-  m = nnx.merge(*_bov("auto"))
-  bank = inference.bank_layers(m)
+  cfg = small_config(sequence_len=128, n_embd=256, n_head=2, n_kv_head=1)
+  assert run_spec(cfg, backend="tpu").model.decode_attention == "fused_if_compiles"
+  assert run_spec(cfg, backend="gpu").model.decode_attention == "xla"
+  m = nnx.merge(*_bov("auto", backend="tpu"))
+  bank = [i for i, b in enumerate(m.blocks) if b.attn.lv.is_bank]
   layer = dict(n_kv_head=2, group=2, window=100, dtype=jnp.bfloat16)
+  check = "fused_if_compiles"
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   bank_decode.compiles.cache_clear()
   with caplog.at_level(logging.WARNING):
-    assert bank_decode.resolve("auto", 256, 128, "auto", 1, 256, **layer) == "xla"
-    assert not any(inference._fused_bank(m, i, 1, 128) for i in bank)
+    assert bank_decode.kernel_for(check, 256, 128, "shard_map", 1, 256, **layer) == "xla"
+    assert not any(_fused(m, i, 1, 128) for i in bank)
   assert "model.decode_attention=auto" in caplog.text
-  assert bank_decode.resolve("fused", 256, 128, "auto", 1, 256, **layer) == "fused"  # asked for
-  real = bank_decode._call_tpu
-  monkeypatch.setattr(bank_decode, "_call_tpu",
+  assert bank_decode.kernel_for("fused", 256, 128, "shard_map", 1, 256, **layer) == "fused"
+  real = bank_decode_tpu.call
+  monkeypatch.setattr(bank_decode_tpu, "call",
                       lambda *a, interpret, **kw: real(*a, interpret=True, **kw))
   bank_decode.compiles.cache_clear()
-  assert bank_decode.resolve("auto", 256, 128, "auto", 1, 256, **layer) == "fused"
-  assert bank and all(inference._fused_bank(m, i, 1, 128) for i in bank)
+  assert bank_decode.kernel_for(check, 256, 128, "shard_map", 1, 256, **layer) == "fused"
+  assert bank and all(_fused(m, i, 1, 128) for i in bank)
   assert bank_decode.compiles.cache_info().misses == 1 + len({m.blocks[i].attn.window for i in bank})
   bank_decode.compiles.cache_clear()
   got = []  # inside a trace under a mesh, as a decode step asks; the kernel compiles per shard
   with jax.set_mesh(_mesh((2, 2, 2))):
-    jax.jit(lambda x: got.append(bank_decode.resolve("auto", 256, 128, "auto", 2, 256, **layer))
+    jax.jit(lambda x: got.append(bank_decode.kernel_for(check, 256, 128, "shard_map", 2, 256,
+                                                       **layer))
             or x)(jnp.ones(2))
   assert got == ["fused"]
   bank_decode.compiles.cache_clear()
@@ -186,9 +199,9 @@ def test_dmas_and_semaphores_as_a_tpu_runs_them(cores, B, K):
   q, k, ids, table, qpos = _inputs(c, seed=2)
   N = c.B * c.K
   params = pltpu.InterpretParams(num_cores_or_threads=cores, detect_races=True, random_seed=3)
-  got = bank_decode._call_tpu(q.reshape(N, c.G, c.E), k, ids, table, qpos,
-                              jnp.zeros((1,), jnp.int32), window=300, split=True,
-                              interpret=params)
+  got = bank_decode_tpu.call(q.reshape(N, c.G, c.E), k, ids, table, qpos,
+                             jnp.zeros((1,), jnp.int32), window=300, split=True,
+                             interpret=params)
   want = _gather_then_attend(q, k, ids, table, qpos, 300, 1.0)
   np.testing.assert_allclose(np.asarray(got).reshape(want.shape), np.asarray(want),
                              atol=2e-6, rtol=1e-5)
@@ -197,8 +210,8 @@ def test_dmas_and_semaphores_as_a_tpu_runs_them(cores, B, K):
 
 TRITON = "__gpu$xla.gpu.triton"
 LOWERED = {  # kernel -> (call, export platform, custom call in the module, checks to lift)
-    "tpu": (bank_decode._call_tpu, "tpu", "tpu_custom_call", []),
-    "gpu": (bank_decode._call_gpu, "cuda", f"custom_call @{TRITON}",
+    "tpu": (bank_decode.tpu.call, "tpu", "tpu_custom_call", []),
+    "gpu": (bank_decode.gpu.call, "cuda", f"custom_call @{TRITON}",
             [jax.export.DisabledSafetyCheck.custom_call(TRITON)]),
 }
 
@@ -233,11 +246,11 @@ def _perturbed(params):
                                    for x, k in zip(leaves, keys)])
 
 
-def _bov(decode_attention):
+def _bov(decode_attention, backend=None):
   # head dim 128 (the TPU kernel's lanes), two query heads on one kv head
   cfg = small_config(sequence_len=128, n_embd=256, n_head=2, n_kv_head=1)
   cfg.model.decode_attention = decode_attention
-  m = model_lib.init_model(cfg, jax.random.key(0))
+  m = model_lib.init(run_spec(cfg, backend).model, jax.random.key(0))
   nnx.update(m, _perturbed(nnx.state(m)))
   return nnx.split(m)
 
@@ -248,8 +261,8 @@ def test_generation_with_the_kernel_equals_xla():
   g_xla, state = _bov("xla")
   g_fused, _ = _bov("fused")
   params = nnx.to_pure_dict(state)
-  assert inference._fused_bank(nnx.merge(g_fused, state), 5, 2, 128)
-  assert not inference._fused_bank(nnx.merge(g_fused, state), 3, 2, 128)  # stores its values
+  assert _fused(nnx.merge(g_fused, state), 5, 2, 128)
+  assert not _fused(nnx.merge(g_fused, state), 3, 2, 128)  # stores its values
   prompts = jnp.asarray([[5, 17, 3, 99, 0, 0], [8, 1, 2, 3, 4, 5]], jnp.int32)
   lengths = jnp.asarray([4, 6])
   run = lambda g: np.asarray(inference.generate(g, params, prompts, lengths, jax.random.key(0),
@@ -261,9 +274,9 @@ def test_generation_with_the_kernel_equals_xla():
     out = []
     for g in (g_xla, g_fused):
       m = nnx.merge(g, s)
-      logits, cache = inference.forward_cached(m, prompts, inference.init_cache(m, 2, 128))
+      logits, cache = m(prompts, kvcache.init(m, 2, 128))
       for t in range(toks.shape[1]):
-        logits, cache = inference.forward_cached(m, toks[:, t:t + 1], cache)
+        logits, cache = m(toks[:, t:t + 1], cache)
       out.append(logits)
     return out
 
@@ -275,13 +288,12 @@ def test_generation_on_a_mesh_with_the_kernel_equals_xla():
   """Sample mode's setting: parameters sharded by the rules over a 2x2x2 mesh (the
   tables' vocabulary over fsdp x tensor), one sequence; the kernel runs per vocab
   shard and the tokens match XLA's sharded lookup."""
-  from bov_jax import train
   mesh = _mesh((2, 2, 2))
   out = {}
   for impl in ("xla", "fused"):
     cfg = small_config(sequence_len=128, n_embd=256, n_head=2, n_kv_head=1)
     cfg.model.decode_attention = impl
-    graphdef, params, shardings = train.init_params(cfg, mesh, jax.random.key(0))
+    graphdef, params, shardings = step_lib.init_params(run_spec(cfg), mesh, jax.random.key(0))
     params = jax.jit(_perturbed, out_shardings=shardings)(params)  # c_proj starts at 0
     with jax.set_mesh(mesh):
       assert params["tables"]["layer_5"].sharding.spec[0] == ("fsdp", "tensor")
@@ -289,15 +301,16 @@ def test_generation_on_a_mesh_with_the_kernel_equals_xla():
   assert out["fused"] == out["xla"] and len(out["xla"]) == 20
 
 
-def test_resolve_and_config():
-  assert bank_decode.resolve("auto", 256, 128, "auto") == "xla"  # CPU: the gather path
-  assert bank_decode.resolve("fused", 256, 128, "auto") == "fused"
-  assert bank_decode.resolve("fused", 200, 128, "auto") == "xla"  # not whole blocks
-  assert bank_decode.resolve("fused", 256, 128, "host") == "xla"  # tables in host memory
+def test_kernel_choice_and_config():
+  assert run_spec(small_config(decode_attention="auto"), backend="cpu").model.decode_attention == "xla"
+  assert bank_decode.kernel_for("xla", 256, 128, "shard_map") == "xla"  # the gather path
+  assert bank_decode.kernel_for("fused", 256, 128, "shard_map") == "fused"
+  assert bank_decode.kernel_for("fused", 200, 128, "shard_map") == "xla"  # not whole blocks
+  assert bank_decode.kernel_for("fused", 256, 128, "host") == "xla"  # tables in host memory
   assert bank_decode.fits(1024, 128) and not bank_decode.fits(1024, 64)
   assert bank_decode.fits(1024, 64, "gpu") and not bank_decode.fits(1024, 96, "gpu")
   assert not bank_decode.fits(1000, 64, "gpu")
   cfg = small_config()
   cfg.model.decode_attention = "pallas"
   with pytest.raises(config_lib.ConfigError, match="model.decode_attention='pallas'"):
-    config_lib.validate(cfg)
+    run_spec(cfg)

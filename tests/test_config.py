@@ -3,14 +3,14 @@ import pytest
 
 from bov_jax import config as config_lib
 from bov_jax import values
-from tests.helpers import small_config
+from tests.helpers import run_spec, small_config
 
 
 def _mode(L=12, **kw):
   c = small_config(kw.pop("preset", ""), n_layer=L)
   for k, v in kw.items():
     c.model.value[k] = v
-  return config_lib.validate(c)
+  return run_spec(c).model.value
 
 
 def test_target_layer_rules():
@@ -76,7 +76,7 @@ def test_bad_model_settings_are_named(field, value, message):
   c = small_config("gpt_base")
   c.model[field] = value
   with pytest.raises(config_lib.ConfigError, match=message):
-    config_lib.validate(c)
+    run_spec(c)
 
 
 def test_main_rejects_bad_config_before_building(tmp_path):

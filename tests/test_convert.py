@@ -7,10 +7,12 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from bov_jax import convert
 from bov_jax import values
 from tests import helpers
+from tests.helpers import model_spec
 
 # sequence_len 640 gives the reference's short window 256; 300 tokens cross it.
 DIMS = dict(sequence_len=640, vocab_size=100, n_layer=6, n_head=4, n_kv_head=2, n_embd=64,
@@ -100,8 +102,11 @@ def test_convert_command_writes_a_loadable_checkpoint(tmp_path):
   assert out.returncode == 0, out.stderr
   assert json.loads(out.stdout.strip().splitlines()[-1])["checkpoint"].endswith("123")
   cfg = checkpoint.read_config(str(tmp_path / "run"))
-  fresh = model_lib.build(cfg)
-  assert checkpoint.restore_model(str(tmp_path / "run"), fresh) == 123
+  abstract = model_lib.abstract(model_spec(cfg))
+  step, params, _, _ = checkpoint.Checkpoints(str(tmp_path / "run")).restore(
+      nnx.to_pure_dict(nnx.state(abstract)))
+  assert step == 123
+  fresh = nnx.merge(nnx.graphdef(abstract), params)
   idx = _tokens(T=40)
   np.testing.assert_allclose(np.asarray(fresh(jnp.asarray(idx))),
                              helpers.reference_logits(sd, mt, DIMS, idx), atol=1e-4)

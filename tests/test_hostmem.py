@@ -32,3 +32,20 @@ def test_opt_out_and_already_set_do_not_reexec():
   assert _run(env) == ["TUNABLES="]
   assert not hostmem.wanted({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
   assert hostmem.environ_with_tunable({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+
+
+def test_only_cpu_runs_reexec():
+  """The tunable is for XLA's CPU runtime: a process that will run on an accelerator
+  (named by JAX_PLATFORMS, or found as a device when it is unset) is left alone."""
+  assert hostmem.cpu_only({"JAX_PLATFORMS": "cpu"})
+  assert not hostmem.cpu_only({"JAX_PLATFORMS": "tpu"})
+  assert not hostmem.cpu_only({"JAX_PLATFORMS": "cuda,cpu"})
+  env = dict(os.environ, JAX_PLATFORMS="tpu")
+  env.pop("GLIBC_TUNABLES", None)
+  env.pop("BOV_HUGEPAGES", None)
+  assert not hostmem.wanted(env)
+  probe = ("import os; from bov_jax import hostmem; hostmem.reexec_with_huge_pages(); "
+           "print('TUNABLES=' + os.environ.get('GLIBC_TUNABLES', ''))")
+  out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                       timeout=60, env=env)
+  assert "TUNABLES=\n" in out.stdout + "\n" and "hugetlb" not in out.stdout

@@ -9,14 +9,16 @@ import pytest
 from flax import nnx
 
 from bov_jax import inference
+from bov_jax import kvcache
 from bov_jax import model as model_lib
 from bov_jax import values
-from tests.helpers import small_config
+from bov_jax.kernels import sampling
+from tests.helpers import init_model, small_config
 
 
 def _model(preset, **kw):
   cfg = small_config(preset, **kw)
-  m = model_lib.init_model(cfg, jax.random.key(0))
+  m = init_model(cfg, jax.random.key(0))
   state = nnx.state(m)
   leaves, tree = jax.tree.flatten(state)
   keys = jax.random.split(jax.random.key(1), len(leaves))
@@ -38,11 +40,11 @@ def test_prefill_and_decode_equal_full_forward(preset):
   @jax.jit
   def prefill(s, x):
     mm = nnx.merge(graphdef, s)
-    return inference.forward_cached(mm, x, inference.init_cache(mm, 2, 48))
+    return mm(x, kvcache.init(mm, 2, 48))
 
   @jax.jit
   def step(s, x, cache):
-    return inference.forward_cached(nnx.merge(graphdef, s), x, cache)
+    return nnx.merge(graphdef, s)(x, cache)
 
   logits, cache = prefill(state, seq[:, :P])
   np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, :P]), atol=2e-4)
@@ -59,36 +61,36 @@ def test_decode_step_reads_only_the_window():
   start = jnp.asarray([3, 40], jnp.int32)
   buf = jnp.arange(2 * 2 * 48, dtype=jnp.float32).reshape(4, 48, 1)  # rows b * K + h
   ids = jnp.arange(2 * 48).reshape(2, 48)
-  rows, seqs, kpos = inference._window(8, start, 48, 2)
+  rows, seqs, kpos = kvcache._window(8, start, 48, 2)
   np.testing.assert_array_equal(np.asarray(kpos), [list(range(0, 9)), list(range(32, 41))])
   lo_N = np.asarray([0, 0, 32, 32])  # each row takes its sequence's window
   np.testing.assert_array_equal(np.asarray(rows(buf))[:, :, 0],
                                 np.arange(4)[:, None] * 48 + lo_N[:, None] + np.arange(9))
   np.testing.assert_array_equal(np.asarray(seqs(ids)), np.asarray(kpos) + [[0], [48]])
-  assert inference._window(24, start, 48, 2) is None  # 25 of 48 positions: read whole
+  assert kvcache._window(24, start, 48, 2) is None  # 25 of 48 positions: read whole
 
 
 def test_bank_layers_keep_no_values():
   bov = _model("gpt_base_v_from_value_emb_learn")  # 6 layers: banks 4, 5
-  cache = inference.init_cache(bov, 1, 32)
+  cache = kvcache.init(bov, 1, 32)
   assert sorted(cache["v"]) == ["0", "1", "2", "3"] and "ids" in cache
   assert len(cache["k"]) == 6
-  v1 = inference.init_cache(_model("gpt_base_v_from_v1_learn"), 1, 32)
+  v1 = kvcache.init(_model("gpt_base_v_from_v1_learn"), 1, 32)
   assert sorted(v1["v"]) == ["0", "1", "2", "3"] and "ids" not in v1  # reuses layer 0's
-  base = inference.init_cache(_model("gpt_base"), 1, 32)
+  base = kvcache.init(_model("gpt_base"), 1, 32)
   assert sorted(base["v"]) == [str(i) for i in range(6)] and "ids" not in base
-  add = inference.init_cache(_model("gpt_base_add_init_value_emb_learn"), 1, 32)
+  add = kvcache.init(_model("gpt_base_add_init_value_emb_learn"), 1, 32)
   assert len(add["v"]) == 6 and "ids" not in add  # V + E[id] depends on context
 
 
 @pytest.mark.parametrize("batch, context", [(1, 64), (3, 256)])
 def test_memory_formula(batch, context):
-  base = inference.init_cache(_model("gpt_base"), batch, context)
+  base = kvcache.init(_model("gpt_base"), batch, context)
   bov_model = _model("gpt_base_v_from_value_emb_learn")
-  bov = inference.init_cache(bov_model, batch, context)
-  n_bank = len(inference.bank_layers(bov_model))
+  bov = kvcache.init(bov_model, batch, context)
+  n_bank = sum(b.attn.lv.is_bank for b in bov_model.blocks)
   kv_dim, bpe = 2 * 16, 4
-  saved = inference.cache_bytes(base) - inference.cache_bytes(bov)
+  saved = kvcache.nbytes(base) - kvcache.nbytes(bov)
   ids = batch * context * 4
   assert n_bank == 2
   assert saved == n_bank * kv_dim * context * bpe * batch - ids
@@ -137,9 +139,9 @@ def test_cache_holds_only_what_the_generation_reaches():
 
 def test_top_k_sampling_stays_in_top_k():
   logits = jnp.asarray([[0.0, 5.0, 4.0, -1.0, 3.0]])
-  seen = {int(inference.sample_logits(logits, jax.random.key(i), 1.0, 2)[0]) for i in range(200)}
+  seen = {int(sampling.sample_logits(logits, jax.random.key(i), 1.0, 2)[0]) for i in range(200)}
   assert seen == {1, 2}
-  assert int(inference.sample_logits(logits, jax.random.key(0), 0.0, 0)[0]) == 1
+  assert int(sampling.sample_logits(logits, jax.random.key(0), 0.0, 0)[0]) == 1
 
 
 def test_top_k_keeps_what_lax_top_k_keeps():
@@ -150,7 +152,7 @@ def test_top_k_keeps_what_lax_top_k_keeps():
     z = np.round(rng.normal(size=(3, V)) * 3, 1).astype(np.float32)
     z[0, :2] = -np.inf
     kth = np.asarray(jax.lax.top_k(jnp.asarray(z), k)[0][:, -1:])
-    kept = np.asarray(inference.top_k_mask(jnp.asarray(z), k))
+    kept = np.asarray(sampling.top_k_mask(jnp.asarray(z), k))
     np.testing.assert_array_equal(kept, z >= kth, err_msg=f"V={V} k={k}")
 
 
@@ -160,7 +162,7 @@ def test_sampling_follows_the_softmax(temperature):
   logits = jnp.log(jnp.asarray(p, jnp.float32))[None]
   n = 20000
   keys = jax.random.split(jax.random.key(0), n)
-  toks = np.asarray(jax.vmap(lambda k: inference.sample_logits(logits, k, temperature, 0))(keys))
+  toks = np.asarray(jax.vmap(lambda k: sampling.sample_logits(logits, k, temperature, 0))(keys))
   want = p ** (1 / temperature) / np.sum(p ** (1 / temperature))
   freq = np.bincount(toks.ravel(), minlength=5) / n
   np.testing.assert_allclose(freq, want, atol=4 * np.sqrt(0.25 / n))
@@ -171,12 +173,11 @@ def test_tables_in_host_memory_decode_the_same():
   from bov_jax import sharding
   if not sharding.host_memory_supported():
     pytest.skip("this backend has no pinned_host memory")
-  cfg = small_config("gpt_base_v_from_value_emb_learn", sequence_len=64, short_window=8)
   m = _model("gpt_base_v_from_value_emb_learn", sequence_len=64, short_window=8)
   graphdef, state = nnx.split(m)
   params = jax.device_put(nnx.to_pure_dict(state), jax.devices()[0])
   want = inference.generate_cached(graphdef, params, [5, 17, 3], 16, 64)
-  hgraph, hparams = inference.tables_to_host(cfg, params)
+  hgraph, hparams = inference.tables_to_host(graphdef, params)
   assert all(t.sharding.memory_kind == "pinned_host" for t in hparams["tables"].values())
   assert hparams["wte"].sharding.memory_kind != "pinned_host"
   assert inference.generate_cached(hgraph, hparams, [5, 17, 3], 16, 64) == want
@@ -190,7 +191,7 @@ def test_tables_on_host_refuses_several_devices():
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
   spread = jax.device_put(jnp.zeros((jax.device_count(), 4)), NamedSharding(mesh, P("data")))
   with pytest.raises(config_lib.ConfigError, match="sample.tables_on_host"):
-    inference.tables_to_host(small_config(), {"wte": spread})
+    inference.tables_to_host(None, {"wte": spread})
 
 
 @pytest.mark.parametrize("preset, batch", [("gpt_base", 1), ("gpt_base_v_from_value_emb_learn", 1),
@@ -234,6 +235,6 @@ def test_greedy_is_argmax():
   z[0, 0, [7, 4000]] = 50.0  # a tie: the first wins
   z[1, 2, -1] = 60.0         # the last entry
   z = np.round(z, 1)         # many equal values
-  got = np.asarray(inference.greedy(jnp.asarray(z)))
+  got = np.asarray(sampling.greedy(jnp.asarray(z)))
   np.testing.assert_array_equal(got, np.argmax(z, axis=-1))
   assert got.dtype == np.int32 and got[0, 0] == 7

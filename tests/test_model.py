@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bov_jax import attention
 from bov_jax import model as model_lib
 from bov_jax import values
-from tests.helpers import small_config
+from bov_jax.kernels import attention
+from bov_jax.kernels.matmul import mm
+from tests.helpers import init_model, model_spec, small_config
 
 ALL_PRESETS = sorted(values.PRESETS)
 
@@ -20,7 +21,7 @@ def _idx(T=40, B=2, seed=0, V=100):
 def _perturbed(cfg, seed=0):
   """An initialised model whose zero-init weights are made non-zero, so every
   path (W_o, W_proj, smear, coefficients) carries signal."""
-  m = model_lib.init_model(cfg, jax.random.key(seed))
+  m = init_model(cfg, jax.random.key(seed))
   state = nnx.state(m)
   leaves, tree = jax.tree.flatten(state)
   keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
@@ -61,17 +62,25 @@ def test_sliding_window_limits_what_a_layer_sees():
 
 
 def test_last_layer_always_full():
-  from bov_jax import config as config_lib
   cfg = small_config("gpt_base", window_pattern="S", sequence_len=64, short_window=8)
-  assert config_lib.window_sizes(cfg) == [8, 8, 8, 8, 8, 64]
+  assert model_spec(cfg).windows == (8, 8, 8, 8, 8, 64)
   cfg = small_config("gpt_base", short_window=0, sequence_len=2048)
-  assert config_lib.window_sizes(cfg) == [512, 512, 512, 2048, 512, 2048]
-  assert config_lib.window_sizes(small_config(short_window=0, sequence_len=512))[0] == 128 * 1
+  assert model_spec(cfg).windows == (512, 512, 512, 2048, 512, 2048)
+  assert model_spec(small_config(short_window=0, sequence_len=512)).windows[0] == 128 * 1
 
 
 def _layer_values(m, idx):
-  _, kvs = m.hidden(idx, return_kv=True)
-  return [np.asarray(v) for _, v in kvs]
+  """Each layer's values (after its mode's combination), from the model's own blocks run
+  in order as GPT.hidden runs them."""
+  x, _ = m.embed(idx)
+  x0n = model_lib.rmsnorm(x)
+  cs = model_lib.rope(np.arange(idx.shape[1])[None], m.spec.head_dim)
+  v1, out = None, []
+  for i, block in enumerate(m.blocks):
+    x, v, _ = block(x, cs, m.v_tilde(i, x0n, v1, idx))
+    v1 = v if i == 0 else v1
+    out.append(np.asarray(v))
+  return out
 
 
 def test_table_replace_values_do_not_depend_on_context():
@@ -94,8 +103,8 @@ def test_v1_targets_reuse_layer0_values():
 
 def test_bov_at_init_equals_x0_replace_at_init():
   key = jax.random.key(3)
-  bov = model_lib.init_model(small_config("gpt_base_v_from_value_emb_learn"), key)
-  x0 = model_lib.init_model(small_config("gpt_base_v_from_x0_learn"), key)
+  bov = init_model(small_config("gpt_base_v_from_value_emb_learn"), key)
+  x0 = init_model(small_config("gpt_base_v_from_x0_learn"), key)
   # W_o is zero at init, so make both models' outputs sensitive to V the same way
   for mm in (bov, x0):
     for i, b in enumerate(mm.blocks):
@@ -109,15 +118,15 @@ def test_bov_at_init_equals_x0_replace_at_init():
 
 def test_shared_table_is_initialised_from_first_target():
   key = jax.random.key(0)
-  m = model_lib.init_model(small_config("gpt_base_v_from_value_emb_learn_shared"), key)
-  ref = model_lib.init_model(small_config("gpt_base_v_from_x0"), key)
+  m = init_model(small_config("gpt_base_v_from_value_emb_learn_shared"), key)
+  ref = init_model(small_config("gpt_base_v_from_x0"), key)
   want = model_lib.rmsnorm(ref.wte[...]) @ ref.blocks[4].attn.wv[...]
   np.testing.assert_allclose(np.asarray(m.tables["shared"][...]), np.asarray(want), atol=1e-6)
 
 
 def test_initialisation_statistics():
   cfg = small_config("gpt_base_add_init_value_emb_nanogpt", n_embd=128, n_head=4)
-  m = model_lib.init_model(cfg, jax.random.key(0))
+  m = init_model(cfg, jax.random.key(0))
   s = np.sqrt(3) / np.sqrt(128)
   assert abs(float(jnp.std(m.wte[...])) - 0.8) < 0.03
   assert abs(float(jnp.std(m.lm_head[...])) - 0.001) < 1e-4
@@ -131,13 +140,13 @@ def test_initialisation_statistics():
   assert g.shape == (12, 2) and 0 <= float(g.min()) and float(g.max()) <= 0.02
   t = m.tables["layer_5"][...]
   assert float(jnp.max(jnp.abs(t))) <= s and float(jnp.std(t)) > 0.5 * s / np.sqrt(3)
-  learn = model_lib.init_model(small_config("gpt_base_add_init_v_learn"), jax.random.key(0))
+  learn = init_model(small_config("gpt_base_add_init_v_learn"), jax.random.key(0))
   assert float(learn.blocks[5].attn.coeffs["alpha"][...]) == 1.0
   assert float(learn.blocks[5].attn.coeffs["beta"][...]) == 0.0
 
 
 def _param_names(preset, **kw):
-  st = nnx.state(nnx.eval_shape(lambda: model_lib.build(small_config(preset, **kw))))
+  st = nnx.state(model_lib.abstract(model_spec(small_config(preset, **kw))))
   return {"/".join(str(p) for p in path) for path, _ in nnx.to_flat_state(st)}
 
 
@@ -199,11 +208,11 @@ def test_loss_ignores_minus_one_targets():
 
 def test_bf16_compute_keeps_fp32_master_weights():
   cfg = small_config("gpt_base_v_from_value_emb_learn", dtype="bfloat16")
-  m = model_lib.init_model(cfg, jax.random.key(0))
+  m = init_model(cfg, jax.random.key(0))
   assert m.wte[...].dtype == jnp.float32 and m.tables["layer_5"][...].dtype == jnp.float32
   out = m(_idx())
   assert out.dtype == jnp.float32 and np.all(np.isfinite(np.asarray(out)))
-  ref = model_lib.init_model(small_config("gpt_base_v_from_value_emb_learn"), jax.random.key(0))
+  ref = init_model(small_config("gpt_base_v_from_value_emb_learn"), jax.random.key(0))
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref(_idx())), atol=5e-2)
 
 
@@ -236,7 +245,7 @@ def test_mm_gradients_match_plain_matmul(shape):
   k1, k2 = jax.random.split(jax.random.key(0))
   x = jax.random.normal(k1, (3, 5, shape[0]))
   w = jax.random.normal(k2, shape)
-  f = lambda x, w: jnp.sum(jnp.sin(model_lib.mm(x, w)))
+  f = lambda x, w: jnp.sum(jnp.sin(mm(x, w)))
   r = lambda x, w: jnp.sum(jnp.sin(jnp.einsum("btd,df->btf", x, w)))
   for a, b in zip(jax.grad(f, argnums=(0, 1))(x, w), jax.grad(r, argnums=(0, 1))(x, w)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -8,6 +8,7 @@ import optax
 import pytest
 
 from bov_jax import config as config_lib
+from bov_jax import spec as spec_lib
 from bov_jax import optim
 from bov_jax import plan
 
@@ -194,16 +195,21 @@ def test_bf16_polar_express_tracks_fp32(shape):
 
 def test_polar_dtype_and_gram_settings():
   c = config_lib.base_config()
-  assert optim.polar_dtype(c) == "bfloat16"  # the reference's
-  assert optim.polar_gram(c) == (jax.default_backend() == "cpu")
+  o = spec_lib.resolve(c).optim
+  assert o.polar_dtype == "bfloat16"  # the reference's
+  assert o.polar_gram == (jax.default_backend() == "cpu")
+  assert spec_lib.resolve(c, "tpu").optim.polar_gram is False
+  assert spec_lib.resolve(c, "cpu").optim.muon_batched is False
+  assert spec_lib.resolve(c, "gpu").optim.muon_batched is True
   c.optim.polar_dtype, c.optim.polar_gram = "float32", "false"
-  assert optim.polar_dtype(c) == "float32" and optim.polar_gram(c) is False
+  o = spec_lib.resolve(c).optim
+  assert o.polar_dtype == "float32" and o.polar_gram is False
   c.optim.polar_dtype = "fp8"
   with pytest.raises(config_lib.ConfigError, match=r"optim\.polar_dtype='fp8'"):
-    config_lib.validate(c)
+    spec_lib.resolve(c)
   c.optim.polar_dtype, c.optim.polar_gram = "auto", "yes"
   with pytest.raises(config_lib.ConfigError, match=r"optim\.polar_gram='yes'"):
-    config_lib.validate(c)
+    spec_lib.resolve(c)
 
 
 def _tiny_params():
@@ -233,8 +239,7 @@ def test_paper_hyperparameters():
                                            (24, 2 ** 20, 0.0283, 0.707, 0.0597)):
     c = config_lib.depth_config(depth, "gpt_base_v_from_value_emb_learn")
     c.train.batch_tokens = batch
-    hp = optim.hyperparams(c, plan.scaling_params(c),
-                           plan.scaling_params(config_lib.depth_config(12)))
+    hp = plan.hyperparams(spec_lib.resolve(c))
     assert hp["muon"] == pytest.approx(matrix, abs=5e-5)
     assert hp["beta_gamma"] == pytest.approx(scalar, abs=5e-4)
     assert hp["muon_weight_decay"] == pytest.approx(wd, abs=5e-5)
@@ -250,7 +255,7 @@ def test_full_optimizer_matches_numpy_per_group():
   n = 50
   hp = {"unembed": 0.008, "embed": 0.3, "smear": 0.2, "alpha": 0.005, "beta_gamma": 0.5,
         "table": 0.15, "muon": 0.02, "muon_weight_decay": 0.28}
-  tx = optim.make(c, n, hp)
+  tx = optim.make(spec_lib.resolve(c).optim, n, hp)
   params = _tiny_params()
   state = tx.init(params)
   flat, tree = jax.tree.flatten(params)

@@ -7,7 +7,7 @@ import pytest
 
 from bov_jax import config as config_lib
 from bov_jax import plan
-from tests.helpers import small_config
+from tests.helpers import model_spec, small_config
 
 
 def _plan_cli(config, *overrides):
@@ -52,20 +52,22 @@ def test_num_iterations_override_and_cli_overrides():
 
 def test_value_matmuls_counted_per_use():
   """x0 + add applies W_v twice (x W_v and x0 W_v), so it counts twice; V1 replace drops W_v."""
-  base = plan.param_counts(small_config("gpt_base"))["n_matmul"]
+  count = lambda preset: plan.param_counts(model_spec(small_config(preset)))["n_matmul"]
+  base = count("gpt_base")
   wv = 64 * 32
-  assert plan.param_counts(small_config("gpt_base_add_init_res_v"))["n_matmul"] == base + 2 * wv
-  assert plan.param_counts(small_config("gpt_base_v_from_x0"))["n_matmul"] == base
-  assert plan.param_counts(small_config("gpt_base_v_from_v1"))["n_matmul"] == base - 2 * wv
-  assert plan.param_counts(small_config("gpt_base_add_init_value_emb_nanogpt"))["n_matmul"] == base + 2 * 12 * 2
+  assert count("gpt_base_add_init_res_v") == base + 2 * wv
+  assert count("gpt_base_v_from_x0") == base
+  assert count("gpt_base_v_from_v1") == base - 2 * wv
+  assert count("gpt_base_add_init_value_emb_nanogpt") == base + 2 * 12 * 2
 
 
 def test_attention_flops_use_windows():
   c = small_config("gpt_base", sequence_len=64, short_window=8)
-  assert plan.attention_flops(c) == 12 * 64 * (4 * 8 + 2 * 64)  # SSSL SL: layer 3 and the last are long
-  assert config_lib.window_sizes(c)[-1] == 64
+  assert plan.attention_flops(model_spec(c)) == 12 * 64 * (4 * 8 + 2 * 64)  # SSSL SL: layer 3
+  assert model_spec(c).windows[-1] == 64                                      # and the last: long
 
 
 def test_scaling_params_is_dense_layout():
-  assert plan.scaling_params(config_lib.depth_config(12)) == 110100480
-  assert plan.scaling_params(config_lib.depth_config(12, "gpt_base_v_from_value_emb_learn")) == 110100480
+  assert plan.scaling_params(model_spec(config_lib.depth_config(12))) == 110100480
+  assert plan.scaling_params(model_spec(config_lib.depth_config(
+      12, "gpt_base_v_from_value_emb_learn"))) == 110100480

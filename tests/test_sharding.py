@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding
 from bov_jax import model as model_lib
 from bov_jax import plan
 from bov_jax import sharding
-from bov_jax import train
-from tests.helpers import small_config
+from bov_jax import step as step_lib
+from tests.helpers import model_spec, run_spec, small_config
 
 MESHES = [(2, 2, 2), (1, 8, 1), (1, 1, 8), (8, 1, 1), (2, 4, 1), (1, 2, 4)]
 
@@ -21,19 +21,19 @@ MESHES = [(2, 2, 2), (1, 8, 1), (1, 1, 8), (8, 1, 1), (2, 4, 1), (1, 2, 4)]
 def _mesh(data, fsdp, tensor):
   c = small_config()
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = data, fsdp, tensor
-  return sharding.make_mesh(c)
+  return sharding.make_mesh(c.mesh)
 
 
 def test_mesh_shape_rules():
   c = small_config()
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = -1, 2, 2
-  assert sharding.mesh_shape(c, 8) == (2, 2, 2)
+  assert sharding.mesh_shape(c.mesh, 8) == (2, 2, 2)
   c.mesh.fsdp = 3
   with pytest.raises(ValueError, match="not divisible"):
-    sharding.mesh_shape(c, 8)
+    sharding.mesh_shape(c.mesh, 8)
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 1
   with pytest.raises(ValueError, match="4 devices, but 8 are available"):
-    sharding.mesh_shape(c, 8)
+    sharding.mesh_shape(c.mesh, 8)
 
 
 @pytest.mark.parametrize("shape", MESHES)
@@ -62,7 +62,7 @@ def test_table_lookup_matches_plain_gather(shape, impl):
 
 
 def _params_on(mesh, cfg, seed=0):
-  _, params, shardings = train.init_params(cfg, mesh, jax.random.key(seed))
+  _, params, shardings = step_lib.init_params(run_spec(cfg), mesh, jax.random.key(seed))
   return params, shardings
 
 
@@ -77,9 +77,9 @@ def sgd_step_on_mesh_and_one_device(cfg, idx, shape):
   """One train step (plain SGD, lr 1: new params = params - grads) of the same perturbed
   parameters on one device and on a mesh: ((params, out) one device, (params, out) mesh,
   the mesh's starting params)."""
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_lib.build(cfg)))
+  graphdef = nnx.graphdef(model_lib.abstract(model_spec(cfg)))
   tx = optax.sgd(1.0)
-  step = train.make_train_step(graphdef, tx)
+  step = step_lib.make_train_step(graphdef, tx)
   x, y = idx[..., :-1], idx[..., 1:]
   dev0 = jax.devices()[0]
   p1, _ = _params_on(_mesh(8, 1, 1), cfg)
@@ -145,13 +145,13 @@ def _compiled_step_hlo(shape, impl):
   cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=2048, n_embd=64, n_head=4,
                      n_kv_head=1, table_lookup=impl)
   mesh = _mesh(*shape)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: model_lib.build(cfg)))
+  graphdef = nnx.graphdef(model_lib.abstract(model_spec(cfg)))
   params, shardings = _params_on(mesh, cfg)
   tx = optax.sgd(0.1)
   bsh = sharding.batch_sharding(mesh, leading_dims=2)
   x = jax.device_put(jnp.zeros((1, 8, 16), jnp.int32), bsh)
   with jax.set_mesh(mesh):
-    f = jax.jit(train.make_train_step(graphdef, tx), in_shardings=(shardings, None, bsh, bsh),
+    f = jax.jit(step_lib.make_train_step(graphdef, tx), in_shardings=(shardings, None, bsh, bsh),
                 out_shardings=(shardings, None, None))
     return f.lower(params, tx.init(params), x, x).compile().as_text()
 
@@ -180,8 +180,8 @@ def test_plan_reports_bytes_per_device():
   one.mesh.data, one.mesh.fsdp, one.mesh.tensor = 1, 1, 1
   eight = config_lib.depth_config(24, "gpt_base_v_from_value_emb_learn")
   eight.mesh.data, eight.mesh.fsdp, eight.mesh.tensor = 1, 8, 1
-  a, b = plan.memory_per_device(one), plan.memory_per_device(eight)
-  n_params = plan.param_counts(one)["params"]
+  a, b = plan.memory_per_device(run_spec(one)), plan.memory_per_device(run_spec(eight))
+  n_params = plan.param_counts(model_spec(one))["params"]
   assert a["param_bytes_per_device"] == 4 * n_params
   assert b["param_bytes_per_device"] <= a["param_bytes_per_device"] / 8 * 1.05
   assert b["optimizer_bytes_per_device"] <= a["optimizer_bytes_per_device"] / 8 * 1.05

@@ -9,10 +9,9 @@ from flax import nnx
 
 torch = pytest.importorskip("torch")
 
-from bov_jax import model as model_lib  # noqa: E402
+from benchmarks import torch_reference  # noqa: E402
 from bov_jax import optim  # noqa: E402
-from bov_jax import torch_reference  # noqa: E402
-from tests.helpers import small_config  # noqa: E402
+from tests.helpers import init_model, model_spec, small_config  # noqa: E402
 
 
 def _t(x):
@@ -24,7 +23,7 @@ def test_transcription_computes_our_loss(preset):
   """Our weights copied into the transcription (Linear layers are stored [out, in])
   give the same loss on the same tokens."""
   cfg = small_config(preset)  # GQA and sliding windows
-  ours = model_lib.init_model_eager(cfg, jax.random.key(0))
+  ours = init_model(cfg, jax.random.key(0))
   # Random values everywhere (the init zeroes the output projections and lambda).
   state = nnx.state(ours, nnx.Param)
   leaves, treedef = jax.tree.flatten(state)
@@ -34,7 +33,7 @@ def test_transcription_computes_our_loss(preset):
       for k, x in zip(keys, leaves)]))
   banks = {i for i, b in enumerate(ours.blocks) if b.attn.wv is None}
   assert bool(banks) == (preset != "gpt_base")
-  ref = torch_reference.GPT(cfg, banks)
+  ref = torch_reference.GPT(model_spec(cfg), banks)
   V = cfg.model.vocab_size
   with torch.no_grad():
     ref.wte.weight[:V] = _t(ours.wte[...][:V])

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bov_jax import model as model_lib
-from bov_jax import train
-from tests.helpers import small_config
+from bov_jax import bpb
+from bov_jax import run as run_lib
+from bov_jax import step as step_lib
+from tests.helpers import init_model, small_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--config=configs/tiny.py", "--config.model.n_embd=64", "--config.model.sequence_len=128",
@@ -45,14 +46,14 @@ def _metrics(workdir):
 
 def test_bits_per_byte_by_hand():
   cfg = small_config("gpt_base_v_from_value_emb_learn")
-  m = model_lib.init_model(cfg, jax.random.key(0))
+  m = init_model(cfg, jax.random.key(0))
   graphdef, state = nnx.split(m)
   params = nnx.to_pure_dict(state)
   idx = np.random.default_rng(0).integers(0, 100, (2, 9)).astype(np.int32)
   x, y = idx[:, :-1], idx[:, 1:].copy()
   y[1, 3] = -1
   token_bytes = np.random.default_rng(1).integers(0, 4, 100).astype(np.int32)  # some zero
-  nats, nbytes = train.make_eval_step(graphdef)(params, x, y, jnp.asarray(token_bytes))
+  nats, nbytes = step_lib.make_eval_step(graphdef)(params, x, y, jnp.asarray(token_bytes))
   logits = np.asarray(m(jnp.asarray(x)), np.float64)
   logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
   want_nats = want_bytes = 0.0
@@ -63,7 +64,7 @@ def test_bits_per_byte_by_hand():
         want_bytes += token_bytes[y[b, t]]
   assert float(nbytes) == want_bytes
   assert float(nats) == pytest.approx(want_nats, rel=1e-5)
-  assert train.bits_per_byte(nats, nbytes) == pytest.approx(want_nats / (math.log(2) * want_bytes),
+  assert bpb.bits_per_byte(nats, nbytes) == pytest.approx(want_nats / (math.log(2) * want_bytes),
                                                             rel=1e-5)
 
 
@@ -153,7 +154,7 @@ def test_unusable_compile_cache_dir_is_named_and_skipped(monkeypatch, capsys, tm
   blocker.write_text("")
   cfg = config_lib.base_config()
   cfg.train.compile_cache_dir = str(blocker / "cache")  # under a file: cannot be made
-  train.use_compile_cache(cfg)
+  run_lib.use_compile_cache(cfg.train.compile_cache_dir)
   err = capsys.readouterr().err
   assert f"train.compile_cache_dir='{blocker / 'cache'}' is unusable" in err
   assert jax.config.jax_compilation_cache_dir is None  # left off, not half on

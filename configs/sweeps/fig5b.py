@@ -1,9 +1,5 @@
 """Figure 5b of the paper: Bank of Values component ablations at d12."""
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from bov_jax.sweep import from_presets  # noqa: E402
+from bov_jax.sweep import from_presets
 
 
 ROWS = [

@@ -1,9 +1,5 @@
 """Bank of Values with different target layers at d12: a product over one axis."""
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from bov_jax.sweep import product  # noqa: E402
+from bov_jax.sweep import product
 
 LAYERS = ["last_third", "every_other", "second_half", "last_two_thirds", "all"]
 

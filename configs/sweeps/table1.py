@@ -1,9 +1,5 @@
 """Table 1 of the paper: the 13 value-vector variants at d12 (135M), 1.50e18 FLOPs each."""
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from bov_jax.sweep import from_presets  # noqa: E402
+from bov_jax.sweep import from_presets
 
 
 ROWS = [

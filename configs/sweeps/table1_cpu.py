@@ -3,11 +3,10 @@
 The reproduction in docs/reproduction.md ran this sweep with --local on a 2-core CPU.
 """
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from table1 import ROWS, from_presets  # noqa: E402
+from bov_jax import sweep
 
 
 def get_sweep():
-  return from_presets("configs/tiny_budget.py", ROWS, numbered=True)
+  table1 = sweep.load(os.path.join(os.path.dirname(__file__), "table1.py"))
+  return dict(table1, base="configs/tiny_budget.py")

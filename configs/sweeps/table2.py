@@ -1,9 +1,5 @@
 """Table 2 of the paper: baseline, BoV, x0 W_v, V1 and V1 at every layer at d24 (780M)."""
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from bov_jax.sweep import from_presets  # noqa: E402
+from bov_jax.sweep import from_presets
 
 
 ROWS = [

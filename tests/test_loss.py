@@ -1,10 +1,10 @@
-"""The chunked soft-capped cross-entropy and its hand-written gradient against autodiff."""
+"""kernels/loss.py: the chunked soft-capped cross-entropy and its hand-written gradient."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bov_jax import losses
+from bov_jax.kernels import loss as losses
 
 
 def _reference(h, w, y, vocab):

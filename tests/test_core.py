@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from bov_jax import evaluate as ev
+from bov_jax import core as ev
 
 
 class CharTok:
@@ -155,11 +155,10 @@ def test_left_truncation_keeps_the_continuation():
 def test_core_end_to_end_with_a_model(tmp_path):
   import jax
   from flax import nnx
-  from bov_jax import model as model_lib
-  from tests.helpers import small_config
+  from tests.helpers import init_model, small_config
   write_bundle(tmp_path)
   cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=200, sequence_len=64)
-  m = model_lib.init_model(cfg, jax.random.key(0))
+  m = init_model(cfg, jax.random.key(0))
   graphdef, state = nnx.split(m)
 
   class ClippedTok(CharTok):

@@ -1,4 +1,4 @@
-"""CORE evaluation (SPEC section 6) on a DCLM / nanochat eval bundle.
+"""CORE (the DCLM tasks, as the reference's core_eval.py scores them) on an eval bundle.
 
 Bundle layout:
   DIR/core.yaml               icl_tasks: [{label, dataset_uri, num_fewshot: [k],
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bov_jax import inference
+from bov_jax.kernels.sampling import greedy
 
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 SHUFFLE_SEED = 1337
@@ -193,7 +193,7 @@ class Scorer:
       logz = jax.nn.logsumexp(logits, axis=-1)
       tgt = jnp.roll(ids, -1, axis=1)
       nll = logz - jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]
-      return nll, inference.greedy(logits)  # position i predicts token i+1
+      return nll, greedy(logits)  # position i predicts token i+1
 
     self.score = score
 

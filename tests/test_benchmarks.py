@@ -1,4 +1,4 @@
-"""The benchmark commands print their JSON contracts (numbers are not asserted: timing
+"""The benchmarks (python -m benchmarks.train / decode / dots) print their JSON contracts (numbers are not asserted: timing
 claims live in the benchmark output, not in tests)."""
 import json
 import os
@@ -13,7 +13,8 @@ SMALL = ["--config=configs/tiny.py", "--config.model.n_layer=3", "--config.model
 
 def _bench(*args):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  out = subprocess.run([sys.executable, "-m", "bov_jax.bench", *args], capture_output=True,
+  name, *rest = args
+  out = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *rest], capture_output=True,
                        text=True, cwd=ROOT, env=env, timeout=600)
   assert out.returncode == 0, out.stderr[-2000:]
   return [json.loads(l) for l in out.stdout.strip().splitlines() if l.startswith("{")]
@@ -59,15 +60,15 @@ def test_bench_train_against_the_torch_transcription():
 
 
 def _summary_of(tmp_path, events):
-  """bench.profile_summary of a Perfetto trace holding these events, laid out as
+  """profile_summary of a Perfetto trace holding these events, laid out as
   jax.profiler lays out its files."""
   import gzip
-  from bov_jax import bench
+  from benchmarks import profile
   d = tmp_path / "plugins" / "profile" / "run1"
   d.mkdir(parents=True)
   with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
     json.dump({"traceEvents": events}, f)
-  return bench.profile_summary(str(tmp_path))
+  return profile.profile_summary(str(tmp_path))
 
 
 def test_profile_summary_counts_device_streams_by_kind(tmp_path):
@@ -111,7 +112,7 @@ def test_hlo_dots_counts_each_matmul_by_its_loops():
   product of both."""
   import jax
   import jax.numpy as jnp
-  from bov_jax import bench
+  from benchmarks import dots as bench
 
   def f(x, w, v, u):
     def body(c, _):
@@ -153,7 +154,7 @@ def test_a_dot_timed_alone_is_the_same_contraction_in_its_layouts():
   viewed logically) and the einsum spec compute what the HLO dot computes."""
   import jax
   import numpy as np
-  from bov_jax import bench
+  from benchmarks import dots as bench
   dot = bench.Dot("f32", ("f32", (3, 4, 5), "1,2,0"), ("f32", (3, 6, 4), "2,1,0"),
                   ((1,), (2,), (0,), (0,)))
   rng = np.random.default_rng(0)

@@ -1,6 +1,7 @@
-"""A PyTorch transcription of the same model and optimizer (SPEC sections 1, 2, 4).
+"""A PyTorch transcription of the same model and optimizer (the reference's gpt.py and
+optim.py, for two presets).
 
-Used only by `python -m bov_jax.bench train --reference=torch` to time the
+Used only by `python -m benchmarks.train --reference=torch` to time the
 reference-style PyTorch step on the same machine in the same run; torch is
 imported only here. It follows the reference code's structure (Linear layers
 stored [out, in], F.scaled_dot_product_attention, the NorMuon-style Muon and
@@ -77,10 +78,9 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
 
-  def __init__(self, cfg, bank_layers):
+  def __init__(self, m, bank_layers):
+    """m: a spec.ModelSpec."""
     super().__init__()
-    from bov_jax import config as config_lib
-    m = cfg.model
     d, H, K, L = m.n_embd, m.n_head, m.n_kv_head, m.n_layer
     self.vocab = m.vocab_size
     vp = -(-m.vocab_size // 64) * 64
@@ -89,7 +89,7 @@ class GPT(nn.Module):
     self.smear_gate = nn.Linear(24, 1, bias=False)
     self.smear_lambda = nn.Parameter(torch.zeros(1))
     self.blocks = nn.ModuleList([Block(d, H, K, i in bank_layers, vp) for i in range(L)])
-    self.windows = config_lib.window_sizes(cfg)
+    self.windows = m.windows
     E = d // H
     inv = 1.0 / (100000 ** (torch.arange(0, E, 2).float() / E))
     ang = torch.arange(m.sequence_len).float()[:, None] * inv[None]
@@ -201,27 +201,25 @@ def make_optimizers(model: GPT, compiled: bool = False):
   return [adam, Muon(matrices, lr=0.02, momentum=0.95, weight_decay=0.28, compiled=compiled)]
 
 
-def make_step(cfg, compiled: bool = False):
+def make_step(spec, compiled: bool = False):
   """(run, record): run() does one PyTorch step (forward, backward, both optimizers)
-  on random tokens and returns its seconds; timed by bov_jax.bench.
+  on random tokens and returns its seconds; timed by benchmarks.train.
 
   compiled: as the reference trains, the model under `torch.compile` and Muon's
   per-shape step compiled too (TorchInductor; needs a C++ compiler; the first
   run compiles, which the bench's warm-up absorbs)."""
   import time
-  from bov_jax import config as config_lib
-  from bov_jax import values
   torch.manual_seed(0)
-  mode = config_lib.value_mode(cfg)
+  mode = spec.model.value
   if mode.preset not in ("gpt_base", "gpt_base_v_from_value_emb_learn"):
     raise ValueError("the PyTorch reference covers gpt_base and gpt_base_v_from_value_emb_learn")
-  banks = set(values.target_layers(mode, cfg.model.n_layer)) if mode.source == "table" else set()
-  model = GPT(cfg, banks)
+  banks = {i for i, lv in enumerate(spec.model.layers) if lv.is_bank}
+  model = GPT(spec.model, banks)
   opts = make_optimizers(model, compiled)
   forward = torch.compile(model, dynamic=False) if compiled else model
-  T, B = cfg.model.sequence_len, cfg.train.device_batch_size
-  accum = max(1, cfg.train.batch_tokens // (B * T))
-  data = torch.randint(0, cfg.model.vocab_size, (accum, B, T + 1))
+  T, B = spec.model.sequence_len, spec.train.device_batch_size
+  accum = max(1, spec.train.batch_tokens // (B * T))
+  data = torch.randint(0, spec.model.vocab_size, (accum, B, T + 1))
 
   def run() -> float:
     t = time.perf_counter()

@@ -1,8 +1,8 @@
-"""Causal sliding-window GQA attention of a sequence over itself (training, prefill).
+"""Causal sliding-window GQA attention: a sequence over itself (training, prefill) and
+new queries over a cache (decoding).
 
-`model.attention` picks the kernel:
-  auto    Splash attention on TPU (when the sequence fits its 128-row blocks),
-          `blocks` on CPU, `cudnn` on GPU
+`model.attention` picks the kernel (`auto` is resolved per backend in spec.py: Splash
+on TPU, `blocks` on CPU, `cudnn` on GPU):
   xla     jax.nn.dot_product_attention's XLA implementation: the whole [T, T]
           score matrix, masked
   cudnn   jax.nn.dot_product_attention's cuDNN flash attention (sliding windows
@@ -11,9 +11,8 @@
           name: jax.nn's default (implementation=None) is XLA's.
   blocks  plain einsums over 128-row query blocks, each against only the key
           blocks its window reaches: causality alone skips a quarter of the
-          score and value matmuls at 256 positions, more at longer ones. On
-          CPU, where XLA's attention computes and masks the whole square, it
-          measured 3-5% of the whole train step (docs/performance.md).
+          score and value matmuls at 256 positions, more at longer ones (on
+          CPU, where XLA's attention computes and masks the whole square).
   splash  the Pallas Splash attention kernel. Off TPU it runs in the Pallas
           interpreter: slow, for tests that check it against `xla`.
 
@@ -36,8 +35,8 @@ from jax.sharding import PartitionSpec as P
 
 from bov_jax import sharding
 
-IMPLS = ("auto", "xla", "cudnn", "blocks", "splash")
-SPLASH_BLOCK = 128  # Splash's sequence blocks are multiples of 128 rows
+from bov_jax.config import SPLASH_BLOCK
+
 CAUSAL_BLOCK = 128  # query rows per block of `blocks`
 
 
@@ -52,12 +51,10 @@ def cudnn_fits(dtype, head_dim: int) -> bool:
           and head_dim % 8 == 0 and head_dim <= 128)
 
 
-def resolve(impl: str, seq_len: int, dtype=jnp.float32, head_dim: int = 64) -> str:
-  """The kernel used for this length, dtype and head dim: sequences that do not
-  fill the blocks (short evaluation buckets), and cuDNN off GPU or in float32,
-  take `xla` whatever the setting."""
-  if impl == "auto":
-    impl = {"tpu": "splash", "cpu": "blocks", "gpu": "cudnn"}.get(jax.default_backend(), "xla")
+def kernel_for(impl: str, seq_len: int, dtype=jnp.float32, head_dim: int = 64) -> str:
+  """The kernel the setting `impl` (resolved, not `auto`) runs at this length, dtype
+  and head dim: sequences that do not fill the blocks (short evaluation buckets),
+  and cuDNN off GPU or in float32, take `xla`."""
   if impl == "splash" and splash_fits(seq_len):
     return "splash"
   if impl == "cudnn" and cudnn_fits(dtype, head_dim):
@@ -67,10 +64,10 @@ def resolve(impl: str, seq_len: int, dtype=jnp.float32, head_dim: int = 64) -> s
   return "xla"
 
 
-def self_attend(q_BTHE, k_BTKE, v_BTKE, window: int, impl: str = "auto"):
+def self_attend(q_BTHE, k_BTKE, v_BTKE, window: int, impl: str = "xla"):
   """Attention output [B, T, H * E]."""
   B, T, H, E = q_BTHE.shape
-  kernel = resolve(impl, T, q_BTHE.dtype, E)
+  kernel = kernel_for(impl, T, q_BTHE.dtype, E)
   if kernel in ("xla", "cudnn"):
     out = jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True,
                                        local_window_size=(window, 0), implementation=kernel)
@@ -83,8 +80,7 @@ def self_attend(q_BTHE, k_BTKE, v_BTKE, window: int, impl: str = "auto"):
 def _blocks(q_BTHE, k_BTKE, v_BTKE, window: int):
   """Each 128-row query block against only the key blocks its window reaches
   (autodiff gives the backward). Head-major once for all blocks: sliced
-  token-major, each block's matmuls paid for their own layout copies (the
-  step measured 1-2% slower)."""
+  token-major, each block's matmuls would pay for their own layout copies."""
   T = q_BTHE.shape[1]
   q = _query_heads(q_BTHE, k_BTKE.shape[2])
   k, v = kv_rows(k_BTKE), kv_rows(v_BTKE)
@@ -104,9 +100,9 @@ def attend(q_BTHE, k_NSE, v_NSE, qpos_BT, kpos_BS, window):
 
   This serves cached decoding: positions are explicit (S = cache length; an empty
   slot gets a position past every query, which the causal test hides), and the
-  cache is kept in the layout the matmuls read, because turning a token-major
-  cache head-major on every step cost more than the attention itself (at 4,096
-  positions, six layers' attention took 2.3 ms instead of 0.44; docs/performance.md).
+  cache is kept in the layout the matmuls read: turning a token-major cache
+  head-major on every step costs more than the attention itself
+  (docs/performance.md, "Decoding").
   """
   B = q_BTHE.shape[0]
   q_BKGTE = _query_heads(q_BTHE, k_NSE.shape[0] // B)
@@ -118,7 +114,7 @@ def kv_rows(x_BSKE):
   `attend` takes keys and values in. One leading dimension, not (B, K): XLA
   drops a size-1 dimension of a matmul's batch (one sequence), and when that
   matmul read a cache updated in place in the same decode step, XLA copied the
-  cache buffer twice per step (docs/performance.md)."""
+  cache buffer twice per step."""
   B, S, K, E = x_BSKE.shape
   return x_BSKE.transpose(0, 2, 1, 3).reshape(B * K, S, E)
 
@@ -142,8 +138,7 @@ def _attend_heads(q_BKGTE, k_NSE, v_NSE, qpos_BT, kpos_BS, window):
   visible = (delta >= 0) & (delta <= window)
   visible_NMS = jnp.broadcast_to(visible[:, None, None], (B, K, G, T, S)).reshape(B * K, G * T, S)
   # The matmuls see one row dimension M = G * T (free reshapes): with two (g, t)
-  # XLA's CPU dot took a slower path, attention forward and backward 20% slower
-  # in training and decoding (T = G = 1) 4-6x slower (docs/performance.md).
+  # XLA's CPU dot takes a slower path (docs/performance.md, "Decoding").
   out = _softmax_attention(q_BKGTE.reshape(B * K, G * T, E), k_NSE, v_NSE, visible_NMS)
   return out.reshape(B, K, G, T, E)
 
@@ -164,9 +159,8 @@ def _softmax_attention_fwd(q_NME, k_NSE, v_NSE, visible_NMS):
 
 def _softmax_attention_bwd(res, dout_NME):
   """The softmax's backward takes its row sum from dout . out, over E, as flash
-  attention does (sum_s p_s dp_s = dout . sum_s p_s v_s): autodiff's sum of
-  p * dp over S was, in XLA's CPU fusion, 2.4 of a layer's 13.5 ms forward and
-  backward, which measured 10.5 ms with this backward (docs/performance.md)."""
+  attention does (sum_s p_s dp_s = dout . sum_s p_s v_s), one pass over E
+  instead of autodiff's sum of p * dp over S."""
   q_NME, k_NSE, v_NSE, probs, out = res
   dv = jnp.einsum("nms,nme->nse", probs.astype(v_NSE.dtype), dout_NME)
   dp = jnp.einsum("nme,nse->nms", dout_NME, v_NSE, preferred_element_type=jnp.float32)

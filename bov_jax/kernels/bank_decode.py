@@ -1,0 +1,163 @@
+"""One decode step's attention in a bank layer, with the table gather fused in (Pallas).
+
+A bank layer caches no values: its value at cached position s is gamma * E[ids[s]]
+(the paper, Section 5: inference without a value cache). Written in XLA
+(`kvcache`), every decode step gathers the rows of all cached positions into a
+[B * K, S, E] buffer in HBM and attention reads that buffer back: the rows cross
+HBM three times, where a layer with a stored value cache reads them once. These
+kernels read each row once, straight from the table, so a bank layer decodes at
+the memory traffic of a stored-value layer with a cache that holds only ids.
+
+  tpu  bank_decode_tpu.py (Mosaic): rows DMA'd into VMEM a block ahead
+  gpu  bank_decode_gpu.py (Triton): rows loaded by pointer, flash-decoding splits
+
+`model.decode_attention` (resolved in spec.py): `xla` keeps the gather-then-attend
+path; `fused` runs the backend's kernel (off TPU and GPU, the TPU kernel in the
+Pallas interpreter: slow, for tests); `fused_if_compiles`, what `auto` becomes on
+TPU, runs the TPU kernel once it has compiled there for the layer's shapes and
+otherwise XLA's gather, with a warning. What has been measured of the kernels:
+docs/performance.md ("Decoding").
+
+Layout (as `attention.attend` takes it): rows n = b * K + h, one per sequence b
+and kv head h; G query heads per kv head. A key block outside the query's window
+is neither fetched nor computed. With a vocab-split table (under a mesh) each
+shard gathers only its own rows, the others count as zero, and the partial
+outputs (normalised by the full softmax, which every shard computes alike from
+the same keys) are summed with `psum`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+from jax.sharding import PartitionSpec as P
+
+from bov_jax import sharding
+from bov_jax.kernels import bank_decode_gpu as gpu
+from bov_jax.kernels import bank_decode_tpu as tpu
+
+
+def fits(context: int, head_dim: int, backend: str = "tpu") -> bool:
+  """Whether the backend's kernel takes this cache length and head dim."""
+  return (gpu if backend == "gpu" else tpu).fits(context, head_dim)
+
+
+def kernel_for(setting: str, context: int, head_dim: int, table_lookup: str, batch: int = 1,
+               table_rows: int = 0, *, n_kv_head: int = 1, group: int = 1,
+               window: int | None = None, dtype=jnp.float32, table_dtype=jnp.float32) -> str:
+  """`fused` or `xla` for this cache under the (resolved) `model.decode_attention`
+  setting. A cache the backend's kernel does not fit, tables kept in host memory
+  (`sample.tables_on_host`), and a mesh that splits the batch and the table over
+  a shared axis (`mesh_split`) take `xla`. The keyword arguments describe the
+  layer for `compiles`: kv heads, query heads per kv head, window (None: the
+  whole cache), compute and table dtypes."""
+  backend = "gpu" if jax.default_backend() == "gpu" else "tpu"
+  split = mesh_split(batch, table_rows)
+  if (setting == "xla" or table_lookup == "host" or not fits(context, head_dim, backend)
+      or split is None):
+    return "xla"
+  if setting == "fused":
+    return "fused"
+  vocab = split[1]
+  local_rows = (table_rows or tpu.BLOCK) // math.prod(
+      jax.sharding.get_abstract_mesh().shape[a] for a in vocab)
+  window = context if window is None else min(window, context)
+  ok = compiles(n_kv_head, group, head_dim, context, window, jnp.dtype(dtype).name, local_rows,
+                jnp.dtype(table_dtype).name, bool(vocab))
+  return "fused" if ok else "xla"
+
+
+@functools.lru_cache(maxsize=None)
+def compiles(n_kv_head: int, group: int, head_dim: int, context: int, window: int, dtype: str,
+             table_rows: int, table_dtype: str, split: bool) -> bool:
+  """Whether the TPU kernel compiles on this backend for one sequence of this
+  layer's shapes, asked once per shape: a kernel Mosaic rejects must not take a
+  TPU run's decoding down with it. A failure leaves XLA's gather, with a
+  warning naming the setting; `model.decode_attention=fused` skips the check
+  (and fails loudly)."""
+  K, E = n_kv_head, head_dim
+  args = [jax.ShapeDtypeStruct(s, d) for s, d in (
+      ((K, group, E), dtype), ((K, context, E), dtype), ((1, context), jnp.int32),
+      ((table_rows, K * E), table_dtype), ((1,), jnp.int32), ((1,), jnp.int32))]
+  call = functools.partial(tpu.call, window=window, split=split, interpret=False)
+  try:
+    # One device, as the kernel runs (per shard, under `shard_map`, on a mesh).
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+      jax.jit(call).lower(*args).compile()
+  except Exception as e:  # pylint: disable=broad-except  (any compile failure means: not here)
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    logging.warning("model.decode_attention=auto: the fused bank-layer decode kernel did "
+                    "not compile on %s for head_dim=%d, %d query heads per kv head, "
+                    "context=%d (%s); decoding gathers with XLA instead. "
+                    "model.decode_attention=xla skips this check.",
+                    jax.default_backend(), E, group, context, first)
+    return False
+  return True
+
+
+def mesh_split(batch: int, table_rows: int):
+  """(batch axes, vocab axes) the kernel runs split over under the current mesh,
+  or None when the batch and the table's vocabulary share a split axis (fsdp):
+  a sequence's rows then sit on other devices, and XLA's lookup, which moves the
+  rows rather than the caches, is the cheaper path. The batch is split as
+  `sharding.table_lookup` splits it (not at all when it does not divide)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return (), ()
+  vocab = sharding.table_axes(mesh, table_rows) if table_rows else ()
+  batch_axes = tuple(a for a in sharding.BATCH_AXES if mesh.shape[a] > 1)
+  if batch % math.prod(mesh.shape[a] for a in batch_axes):
+    batch_axes = ()
+  if set(batch_axes) & set(vocab):
+    return None
+  return batch_axes, vocab
+
+
+def attend(q_BTHE, k_NSE, ids_BS, table_VF, qpos_B, window: int, gamma=None,
+           kernel: str | None = None):
+  """Attention output [B, 1, H * E] of one new token per sequence over its cache.
+
+  q_BTHE [B, 1, H, E]; k_NSE the layer's key cache (`attention.kv_rows`); ids_BS
+  the cached token ids; table_VF the layer's table [V, K * E]; qpos_B each query's
+  position (keys qpos - window .. qpos are visible); gamma the layer's learned
+  coefficient (None: 1). Equal to `attention.attend` over gamma * table[ids] rows.
+  kernel: `tpu` or `gpu` (default: the backend's; off both, TPU's, interpreted).
+  """
+  B, T, H, E = q_BTHE.shape
+  if T != 1:
+    raise ValueError(f"bank_decode.attend takes one new token per sequence, got {T}")
+  N = k_NSE.shape[0]
+  K = N // B
+  q_NGE = q_BTHE.reshape(B, K, H // K, E).reshape(N, H // K, E)
+  backend = jax.default_backend()
+  kernel = kernel or ("gpu" if backend == "gpu" else "tpu")
+  call = {"tpu": tpu.call, "gpu": gpu.call}[kernel]
+  interpret = backend != kernel
+  window = int(min(window, k_NSE.shape[1]))
+  split = mesh_split(B, table_VF.shape[0])
+  if split is None:
+    raise ValueError("bank_decode.attend: the mesh splits the batch and the table over a "
+                     "shared axis; `kernel_for` sends this case to XLA's lookup")
+  batch_axes, vocab = split
+
+  def local(q, k, ids, table, qpos):
+    # With a vocab-split table this shard's rows start at its index times its rows;
+    # the others count as zero here and the psum adds them.
+    vstart = jax.lax.axis_index(vocab) * table.shape[0] if vocab else 0
+    out = call(q, k, ids, table, qpos, jnp.asarray(vstart, jnp.int32)[None], window=window,
+               split=bool(vocab), interpret=interpret)
+    return jax.lax.psum(out.astype(jnp.float32), vocab).astype(out.dtype) if vocab else out
+
+  if batch_axes or vocab:
+    rows = P(batch_axes or None)  # rows n = b * K + h: a batch split keeps a sequence's rows
+    local = jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
+                          in_specs=(rows, rows, rows, P(vocab or None, None), rows),
+                          out_specs=rows, check_vma=False)
+  out = local(q_NGE, k_NSE, ids_BS, table_VF, qpos_B)
+  if gamma is not None:
+    out = gamma.astype(out.dtype) * out
+  return out.reshape(B, 1, H * E)
