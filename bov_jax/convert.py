@@ -186,22 +186,25 @@ def convert_file(checkpoint: str, meta: str, workdir: str, model_type: str | Non
                               nnx.to_pure_dict(nnx.state(model)), step)
 
 
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "reference model_*.pt (or .npz)")
-_META = flags.DEFINE_string("meta", None, "reference meta_*.json")
-_WORKDIR = flags.DEFINE_string("workdir", None, "bov_jax run directory to write")
-_MODEL_TYPE = flags.DEFINE_string("model_type", None, "reference variant, if meta lacks it")
-_STEP = flags.DEFINE_integer("step", None, "checkpoint step (default: from the file name)")
+def _define_flags():
+  """The command's flags, defined only when it runs as a command (the module is a
+  library too, imported beside other commands)."""
+  flags.DEFINE_string("checkpoint", None, "reference model_*.pt (or .npz)")
+  flags.DEFINE_string("meta", None, "reference meta_*.json")
+  flags.DEFINE_string("workdir", None, "bov_jax run directory to write")
+  flags.DEFINE_string("model_type", None, "reference variant, if meta lacks it")
+  flags.DEFINE_integer("step", None, "checkpoint step (default: from the file name)")
 
 
 def main(argv) -> int:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  for name, flag in (("checkpoint", _CHECKPOINT), ("meta", _META), ("workdir", _WORKDIR)):
-    if flag.value is None:
+  f = flags.FLAGS
+  for name in ("checkpoint", "meta", "workdir"):
+    if f[name].value is None:
       raise app.UsageError(f"--{name} is required")
   try:
-    path = convert_file(_CHECKPOINT.value, _META.value, _WORKDIR.value, _MODEL_TYPE.value,
-                        _STEP.value)
+    path = convert_file(f.checkpoint, f.meta, f.workdir, f.model_type, f.step)
   except (ConversionError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -210,4 +213,5 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(lambda argv: sys.exit(main(argv)))

@@ -117,8 +117,9 @@ class Writer:
     _cut_after(self.jsonl, resume_step)
     if log_cfg.tensorboard:
       from tensorboardX import SummaryWriter
+      # a resume's own file (names carry the second they were made in, and the step)
       self.tb = SummaryWriter(logdir=str(root), purge_step=resume_step + 1 if resume_step else None,
-                              flush_secs=30)
+                              flush_secs=30, filename_suffix=f".step{resume_step}")
     if log_cfg.wandb_project:
       try:
         import wandb

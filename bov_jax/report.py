@@ -156,8 +156,11 @@ def plots(runs, out: str) -> list[str]:
   return written
 
 
-_OUT = flags.DEFINE_string("out", None, "where to write PNGs and results.md")
-_COEFFS = flags.DEFINE_bool("coeffs", False, "print learned coefficients as JSON")
+def _define_flags():
+  """The command's flags, defined only when it runs as a command (the module is a
+  library too)."""
+  flags.DEFINE_string("out", None, "where to write PNGs and results.md")
+  flags.DEFINE_bool("coeffs", False, "print learned coefficients as JSON")
 
 
 def main(argv) -> int:
@@ -166,19 +169,19 @@ def main(argv) -> int:
   if not runs:
     raise app.UsageError("give one or more run directories")
   try:
-    if _COEFFS.value:
+    if flags.FLAGS.coeffs:
       for d in runs:
         print(json.dumps({"run": d, **coefficients(d)}))
       return 0
-    if not _OUT.value:
+    if not flags.FLAGS.out:
       raise app.UsageError("--out=DIR is required (or --coeffs)")
     loaded = [load_run(d) for d in runs]
   except (FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  os.makedirs(_OUT.value, exist_ok=True)
-  written = plots(loaded, _OUT.value)
-  md = os.path.join(_OUT.value, "results.md")
+  os.makedirs(flags.FLAGS.out, exist_ok=True)
+  written = plots(loaded, flags.FLAGS.out)
+  md = os.path.join(flags.FLAGS.out, "results.md")
   with open(md, "w") as f:
     f.write(markdown_table(loaded))
   written.append(md)
@@ -187,4 +190,5 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(lambda argv: sys.exit(main(argv)))

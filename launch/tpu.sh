@@ -2,7 +2,7 @@
 # Cloud TPU pods for bov_jax: create, set up, run, sweep, watch, delete.
 #
 #   bash launch/tpu.sh create                        # queued resource (spot/reserved/on-demand)
-#   bash launch/tpu.sh setup                         # copy this checkout, install requirements
+#   bash launch/tpu.sh setup                         # copy this checkout's code, install the runtime set
 #   bash launch/tpu.sh run --config=configs/bov_780m.py [--config.x=y ...]
 #   bash launch/tpu.sh sweep --sweep=configs/sweeps/table2.py
 #   bash launch/tpu.sh logs | ssh [COMMAND] | delete
@@ -76,9 +76,16 @@ cmd_create() {
 
 cmd_setup() {
   need PROJECT ZONE TPU_NAME
-  run_cmd gcloud compute tpus tpu-vm scp --recurse "$HERE" "$TPU_NAME:~/$REMOTE_DIR" \
+  # The code only: no virtualenv, run directories, caches or git history.
+  local tarball
+  tarball="$(mktemp -t bov_jax_code.XXXXXX.tgz)"
+  tar -czf "$tarball" -C "$HERE" --exclude=./.venv --exclude=./runs --exclude=./.git \
+    --exclude='__pycache__' --exclude='*.egg-info' --exclude=./.pytest_cache .
+  run_cmd gcloud compute tpus tpu-vm scp "$tarball" "$TPU_NAME:~/bov_jax_code.tgz" \
     --project="$PROJECT" --zone="$ZONE" --worker=all
-  tpu_ssh all "cd ~/$REMOTE_DIR && python3 -m pip install -q -r requirements.txt 'jax[tpu]==0.10.2'"
+  rm -f "$tarball"
+  # The runtime set and TPU jax only (not the test tools).
+  tpu_ssh all "mkdir -p ~/$REMOTE_DIR && tar -xzf ~/bov_jax_code.tgz -C ~/$REMOTE_DIR && cd ~/$REMOTE_DIR && python3 -m pip install -q '.[tpu]'"
 }
 
 main_command() {  # the training command line every worker runs

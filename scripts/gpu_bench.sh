@@ -2,7 +2,7 @@
 # The GPU runs of docs/performance.md ("Train step on one H200") in one go:
 #   bash scripts/gpu_bench.sh [RUN ...]   (default: test bov_d12 base_d12
 #                                          bov_d12_xla_attention bov_d12_batch32)
-# and the fused bank-layer decode kernel against XLA's gather (bov_jax/bank_decode.py):
+# and the fused bank-layer decode kernel against XLA's gather (bov_jax/kernels/bank_decode.py):
 #   bash scripts/gpu_bench.sh decode_test decode_xla decode_fused
 # Results: JSON lines in $OUT/bench.jsonl and $OUT/decode.jsonl (default runs/gpu_bench/),
 # each run's log beside them, and tables last. On a host whose Python lacks this project's packages
@@ -28,7 +28,7 @@ flax.__version__, 'optax', optax.__version__, 'orbax', o.__version__, jax.device
 bench() {  # name, then bench flags
   local name=$1; shift
   echo "== $name"
-  timeout 200 python3 -m bov_jax.bench train --json "$@" 2>"$out/$name.err" |
+  timeout 200 python3 -m benchmarks.train --json "$@" 2>"$out/$name.err" |
     sed -u "s/^{/{\"run\": \"$name\", /" | tee -a "$out/bench.jsonl"
   grep -iE "error|exception" "$out/$name.err" | tail -3
   grep -A40 "^profile:" "$out/$name.err" || true
@@ -37,7 +37,7 @@ decode() {  # name, then bench flags
   local name=$1; shift
   echo "== $name"
   for batch in 1 8; do
-    timeout 200 python3 -m bov_jax.bench decode --json --config=$bov --contexts=1024,4096 \
+    timeout 200 python3 -m benchmarks.decode --json --config=$bov --contexts=1024,4096 \
       --steps=64 --batch=$batch "$@" 2>>"$out/$name.err" |
       sed -u "s/^{/{\"run\": \"$name\", /" | tee -a "$out/decode.jsonl"
   done

@@ -64,3 +64,13 @@ def test_shellcheck_clean():
   scripts = ["launch/tpu.sh", "scripts/setup.sh", "scripts/gpu_bench.sh", ".ci/run"]
   out = subprocess.run([sc, *scripts], capture_output=True, text=True, cwd=ROOT)
   assert out.returncode == 0, out.stdout
+
+
+def test_setup_copies_code_only_and_installs_the_runtime_set():
+  """`setup` sends a tarball of the code (no .venv, runs/, .git or caches) and installs
+  the package with its TPU extra, not the test tools."""
+  out = _tpu("setup")
+  assert out.returncode == 0, out.stderr
+  assert "--recurse" not in out.stdout and "bov_jax_code.tgz" in out.stdout
+  assert "'.[tpu]'" in out.stdout or ".\\[tpu\\]" in out.stdout
+  assert "dev" not in out.stdout and "requirements.txt" not in out.stdout

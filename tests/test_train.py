@@ -33,10 +33,10 @@ def _env():
   return env
 
 
-def _main(workdir, *extra, timeout=600, env=None):
-  return subprocess.run([sys.executable, "-m", "bov_jax.main", f"--workdir={workdir}", *FAST,
-                         *extra], capture_output=True, text=True, cwd=ROOT, env=env or _env(),
-                        timeout=timeout)
+def _main(workdir, *extra, timeout=600, env=None, fast=True):
+  return subprocess.run([sys.executable, "-m", "bov_jax.main", f"--workdir={workdir}",
+                         *(FAST if fast else []), *extra], capture_output=True, text=True,
+                        cwd=ROOT, env=env or _env(), timeout=timeout)
 
 
 def _metrics(workdir):
@@ -71,7 +71,7 @@ def test_bits_per_byte_by_hand():
 def test_resume_after_sigkill_is_exact(tmp_path):
   full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
   args = ["--config.train.num_iterations=40", "--config.train.checkpoint_every=10",
-          "--config.train.eval_every=20"]
+          "--config.train.eval_every=20", "--config.sample.prompt=import"]
   out = _main(full, *args)
   assert out.returncode == 0, out.stderr[-3000:]
   # the same command, killed with SIGKILL after step 25, then run again
@@ -84,6 +84,8 @@ def test_resume_after_sigkill_is_exact(tmp_path):
       break
   proc.wait(timeout=60)
   assert proc.returncode == -signal.SIGKILL
+  with open(os.path.join(killed, "metrics.jsonl")) as f:
+    before = f.read()
   out = _main(killed, *args)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "resumed from" in out.stdout and "checkpoints/20" in out.stdout
@@ -93,13 +95,22 @@ def test_resume_after_sigkill_is_exact(tmp_path):
   assert last_b["train_loss"] == pytest.approx(last_a["train_loss"], rel=1e-5)
   assert last_b["val_bpb"] == pytest.approx(last_a["val_bpb"], rel=1e-5)
   assert [r["step"] for r in b] == [r["step"] for r in a]  # one run's worth of lines
+  with open(os.path.join(killed, "metrics.jsonl")) as f:  # appended after step 20's line
+    assert f.read().startswith(before[:before.index('{"step": 21,')])
   # and it learns: validation bpb falls
   assert last_a["val_bpb"] < 0.85 * a[0]["val_bpb"]
   for key in ("step", "train_loss", "lr", "tokens"):
     assert key in a[5]
-  assert "sample: " in out.stdout
-  # --mode=eval reads the latest checkpoint and prints a JSON last line
-  ev = _main(full, "--mode=eval")
+  assert "sample: 'import" in out.stdout  # the end-of-run sample continues sample.prompt
+  # live tracking: TensorBoard event files in the run directory
+  from tests.test_metrics import read_events
+  tags = read_events(full)
+  for tag in ("train/loss", "train/lr", "val/bpb", "perf/tokens_per_s", "perf/mfu"):
+    assert tags.get(tag), tag
+  assert [s for s, _ in tags["val/bpb"]] == [0, 20, 40]
+  assert "compile_s" in a[1] and "tokens_per_s" not in a[1]  # step 1: compilation, apart
+  # --mode=eval reads the run's config and latest checkpoint; prints a JSON last line
+  ev = _main(full, "--mode=eval", fast=False)
   assert ev.returncode == 0, ev.stderr[-2000:]
   res = json.loads(ev.stdout.strip().splitlines()[-1])
   assert res["step"] == 40 and res["val_bpb"] == pytest.approx(last_a["val_bpb"], rel=1e-4)
@@ -132,6 +143,10 @@ def test_corrupt_checkpoint_falls_back_to_previous(tmp_path):
   assert "checkpoints/20 is unreadable" in out.stdout
   assert "resumed from" in out.stdout and "checkpoints/10" in out.stdout
   assert [r["step"] for r in _metrics(wd)][-1] == 22
+  # the run directory is the source of truth: a shape it cannot restore is refused by name
+  out = _main(wd, "--config.model.n_layer=4")
+  assert out.returncode == 2 and "model.n_layer: the run has 6, asked for 4" in out.stderr
+  assert "Traceback" not in out.stderr
 
 
 def test_compile_cache_dir_keeps_the_compiled_step(tmp_path):
@@ -201,3 +216,13 @@ def test_sigterm_checkpoints_and_resume_continues(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   assert f"checkpoints/{step}" in out.stdout
   assert [r["step"] for r in _metrics(wd) if "train_loss" in r] == list(range(1, 13))
+
+
+def test_config_and_workdir_errors_are_named(tmp_path):
+  out = _main(tmp_path / "new", fast=False)  # no --config and no run to read one from
+  assert out.returncode != 0 and "--config=FILE is required" in out.stderr
+  f = tmp_path / "a_file"
+  f.write_text("")
+  out = _main(f)
+  assert out.returncode == 2 and "is a file; expected a directory" in out.stderr
+  assert "Traceback" not in out.stderr
