@@ -24,13 +24,14 @@ def bits_per_byte(nats: float, n_bytes: float) -> float:
 
 class Evaluator:
   """Validation bpb of parameters, over train.eval_tokens held-out tokens (each process
-  packs its share of the split), in batches of `rows` rows per process."""
+  packs its share of the validation split), in batches of `rows` rows per process."""
 
-  def __init__(self, spec, mesh, eval_step, val_docs, tok, rows: int):
+  def __init__(self, spec, mesh, eval_step, val_split, tok, rows: int):
     T = spec.model.sequence_len
     n_rows = max(1, spec.train.eval_tokens // T // jax.process_count())
     n_rows = max(rows, n_rows // rows * rows)
-    packed = data_lib.val_rows(val_docs, tok, T + 1, n_rows)
+    docs = val_split.documents(jax.process_index(), jax.process_count())
+    packed = data_lib.val_rows(docs, tok, T + 1, n_rows)
     n_rows = len(packed) // rows * rows
     if n_rows == 0:
       raise data_lib.DataError(

@@ -36,6 +36,7 @@ TABLE_LOOKUPS = ("auto", "shard_map", "gather", "one_hot")
 REMAT_POLICIES = {"none": None, "dots": "dots_saveable",
                   "dots_no_batch": "dots_with_no_batch_dims_saveable", "full": "nothing_saveable"}
 TRISTATE = ("auto", "true", "false")
+VAL_SPLITS = ("auto", "last_shard", "every_nth")
 POLAR_DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -101,9 +102,13 @@ def base_config() -> ml_collections.ConfigDict:
                               # >= 1.5: auto (on CPU) | true | false
 
   c.data = d = ml_collections.ConfigDict()
-  d.corpus = "embedded"       # embedded | a path (text, JSONL, Parquet) or glob
-  d.tokenizer_chars = 200_000_000  # characters of training text the BPE trainer reads
-  d.val_every = 20            # document i is held out iff i % val_every == 0
+  d.corpus = "embedded"       # embedded | a path or gs:// URL (text, JSONL, Parquet) or glob
+  d.val_split = "auto"        # auto | last_shard | every_nth (corpus.py)
+  d.val_every = 20            # every_nth: document i is held out iff i % val_every == 0
+  d.tokenizer = ""            # a saved tokenizer (directory or tokenizer.pkl) to use instead
+                              # of training one ("" = the run directory's, trained on first use)
+  d.tokenizer_chars = 2_000_000_000  # characters of training text the BPE trainer reads
+  d.tokenizer_doc_cap = 10_000  # characters kept of each training document (the reference's)
 
   c.eval = e = ml_collections.ConfigDict()
   e.core_bundle = ""          # a DCLM/nanochat eval bundle directory ("" = no CORE)
@@ -150,6 +155,10 @@ def depth_config(depth: int, preset: str = "gpt_base") -> ml_collections.ConfigD
   c.model.n_head = c.model.n_kv_head = d // 128
   c.model.dtype = "bfloat16"
   c.model.value.preset = preset
+  # The paper's corpus (fetch it with `python -m bov_jax.data download`) and its held-out
+  # set: 80 x 524,288 tokens of the last shard.
+  c.data.corpus = "~/.cache/bov_jax/climbmix"
+  c.train.eval_tokens = 80 * 524288
   return c
 
 
@@ -217,6 +226,7 @@ def validate(cfg) -> None:
   if t.num_iterations == 0 and not t.target_flops > 0:
     raise ConfigError("train.target_flops must be > 0 when train.num_iterations is 0")
   _positive("data.val_every", cfg.data.val_every)
+  _choice("data.val_split", cfg.data.val_split, VAL_SPLITS)
 
 
 # -- a run directory's config against the one asked for ------------------------------
@@ -226,7 +236,8 @@ def validate(cfg) -> None:
 FIXED_ON_RESUME = (
     "model.n_layer", "model.n_embd", "model.n_head", "model.n_kv_head", "model.sequence_len",
     "model.vocab_size", "model.window_pattern", "model.short_window", "model.param_dtype",
-    "model.value", "data.corpus", "data.val_every", "train.seed", "train.batch_tokens",
+    "model.value", "data.corpus", "data.val_split", "data.val_every", "data.tokenizer",
+    "train.seed", "train.batch_tokens",
 )
 
 

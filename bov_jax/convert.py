@@ -7,10 +7,11 @@ weights are stored [out, in]; ours are [in, out], so they are transposed.
 Command (torch is imported lazily, only to read a .pt file):
 
   python -m bov_jax.convert --checkpoint=model_000500.pt --meta=meta_000500.json \
-      --workdir=DIR [--model_type=NAME] [--step=N]
+      --tokenizer=TOKENIZER_DIR --workdir=DIR [--model_type=NAME] [--step=N]
 
-writes a bov_jax checkpoint (step from the file name, parameters only) and
-DIR/config.json, so `--workdir=DIR` modes can load it.
+writes a bov_jax checkpoint (step from the file name, parameters only), DIR/config.json
+and the authors' tokenizer (their tokenizer.pkl) as DIR/tokenizer, so `--workdir=DIR`
+modes sample and evaluate through the vocabulary the weights were trained with.
 """
 
 from __future__ import annotations
@@ -166,8 +167,10 @@ def _load_torch(path: str) -> dict:
 
 
 def convert_file(checkpoint: str, meta: str, workdir: str, model_type: str | None = None,
-                 step: int | None = None) -> str:
+                 step: int | None = None, tokenizer: str | None = None) -> str:
   from bov_jax import checkpoint as ckpt_lib
+  from bov_jax import run as run_lib
+  from bov_jax import tokenizer as tok_lib
   info = _read_meta(meta)
   model_type = model_type or info["model_type"]
   if not model_type:
@@ -182,6 +185,10 @@ def convert_file(checkpoint: str, meta: str, workdir: str, model_type: str | Non
   if step is None:
     m = re.search(r"(\d+)", os.path.basename(checkpoint))
     step = int(m.group(1)) if m else 0
+  if tokenizer:
+    tok = tok_lib.checked(tok_lib.load(tokenizer), f"--tokenizer={tokenizer}",
+                          info["dims"]["vocab_size"])
+    tok.save(f"{workdir.rstrip('/')}/{run_lib.TOKENIZER_DIR}")
   return ckpt_lib.save_params(workdir, config_for(model_type, **info["dims"]),
                               nnx.to_pure_dict(nnx.state(model)), step)
 
@@ -192,6 +199,8 @@ def _define_flags():
   flags.DEFINE_string("checkpoint", None, "reference model_*.pt (or .npz)")
   flags.DEFINE_string("meta", None, "reference meta_*.json")
   flags.DEFINE_string("workdir", None, "bov_jax run directory to write")
+  flags.DEFINE_string("tokenizer", None, "the reference's tokenizer directory (tokenizer.pkl); "
+                      "without it the run directory has no tokenizer until one is given")
   flags.DEFINE_string("model_type", None, "reference variant, if meta lacks it")
   flags.DEFINE_integer("step", None, "checkpoint step (default: from the file name)")
 
@@ -204,7 +213,7 @@ def main(argv) -> int:
     if f[name].value is None:
       raise app.UsageError(f"--{name} is required")
   try:
-    path = convert_file(f.checkpoint, f.meta, f.workdir, f.model_type, f.step)
+    path = convert_file(f.checkpoint, f.meta, f.workdir, f.model_type, f.step, f.tokenizer)
   except (ConversionError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
-import os
 import random
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from flax import nnx
 
 from bov_jax.kernels.sampling import greedy
@@ -57,21 +58,19 @@ class Task:
 
 def load_bundle(bundle: str) -> list[Task]:
   import yaml
-  yaml_path = os.path.join(bundle, "core.yaml")
-  meta_path = os.path.join(bundle, "eval_meta_data.csv")
+  yaml_path = epath.Path(bundle) / "core.yaml"
+  meta_path = epath.Path(bundle) / "eval_meta_data.csv"
   for p in (yaml_path, meta_path):
-    if not os.path.exists(p):
-      raise BundleError(f"eval.core_bundle={bundle}: missing {os.path.basename(p)}")
-  with open(yaml_path) as f:
-    spec = yaml.safe_load(f) or {}
+    if not p.exists():
+      raise BundleError(f"eval.core_bundle={bundle}: missing {p.name}")
+  spec = yaml.safe_load(yaml_path.read_text()) or {}
   if "icl_tasks" not in spec:
     raise BundleError(f"{yaml_path}: expected a top-level 'icl_tasks' list")
   baselines = {}
-  with open(meta_path, newline="") as f:
-    for row in csv.DictReader(f):
-      if "Eval Task" not in row or "Random baseline" not in row:
-        raise BundleError(f"{meta_path}: expected columns 'Eval Task' and 'Random baseline'")
-      baselines[row["Eval Task"]] = float(row["Random baseline"])
+  for row in csv.DictReader(io.StringIO(meta_path.read_text(), newline="")):
+    if "Eval Task" not in row or "Random baseline" not in row:
+      raise BundleError(f"{meta_path}: expected columns 'Eval Task' and 'Random baseline'")
+    baselines[row["Eval Task"]] = float(row["Random baseline"])
   tasks = []
   for t in spec["icl_tasks"]:
     kind = t.get("icl_task_type")
@@ -91,11 +90,10 @@ def load_bundle(bundle: str) -> list[Task]:
 
 
 def load_items(bundle: str, task: Task, max_per_task: int = -1) -> list[dict]:
-  path = os.path.join(bundle, "eval_data", task.dataset_uri)
-  if not os.path.exists(path):
+  path = epath.Path(bundle) / "eval_data" / task.dataset_uri
+  if not path.exists():
     raise BundleError(f"task {task.label!r}: missing {path}")
-  with open(path) as f:
-    items = [json.loads(line) for line in f if line.strip()]
+  items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
   random.Random(SHUFFLE_SEED).shuffle(items)
   return items[:max_per_task] if max_per_task and max_per_task > 0 else items
 

@@ -1,218 +1,134 @@
-"""Corpora, the held-out split, BOS-aligned best-fit packing, and batches on grain.
+"""Training batches and validation rows from a corpus split (corpus.py).
 
-  corpus (documents, random access)        embedded | text/JSONL files | Parquet shards
-    -> split: document i is validation iff i % data.val_every == 0 (fixed forever)
-    -> this process's part: documents [process_index::process_count]
-    -> grain MapDataset: repeat + shuffle (train), tokenize with BOS
-    -> PackedRows: rows of T+1 tokens, best-fit with cropping
+  train split's groups (Parquet row groups, or blocks of a text corpus)
+    -> each epoch: the groups in a new order (seed, epoch); this process takes every
+       process_count-th, so it reads only its own documents
+    -> windows of WINDOW_GROUPS groups: read, documents shuffled within the window
+       (seed, epoch, window), tokenized with BOS in one batch on every core; windows
+       are made ahead in background threads (grain), so packing never waits on
+       reading or tokenizing
+    -> PackedRows: rows of T+1 tokens, BOS-aligned best fit with cropping
     -> grain batch: [device_batch_size * local devices, T+1]
 
-The packer is the one transform written by hand: grain packs by padding or by
-splitting documents across rows, not by cropping the shortest document to fill
-a row. Its state (next document, documents in the buffer) is small and exact,
-so a resumed run sees exactly the batches an uninterrupted run would.
+The packer is the one transform written by hand: grain packs by padding or by splitting
+documents across rows, not by cropping the shortest document to fill a row. Its state
+(the window it reads, how far, and the documents in its buffer by id) is small and
+exact, so a resumed run sees exactly the batches an uninterrupted run would, on every
+host.
+
+  python -m bov_jax.data download --shards=N --dir=DIR [--dry_run]   (corpus.py)
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
-import glob
 import json
-import os
-import re
-import sysconfig
+import math
+import sys
 
 import grain
 import numpy as np
 
+from bov_jax.corpus import DataError  # noqa: F401  (re-exported: the data layer's error)
 
-class DataError(ValueError):
-  """A corpus setting points at nothing usable."""
-
-
-# -- corpora -------------------------------------------------------------------
-
-def _split_source(text: str, max_chars: int = 1500) -> list[str]:
-  """Cuts a long source file into documents at blank lines, merged up to
-  max_chars, so that packing crops little of the embedded corpus."""
-  blocks = re.split(r"\n\s*\n", text)
-  docs, cur = [], ""
-  for b in blocks:
-    if cur and len(cur) + len(b) + 2 > max_chars:
-      docs.append(cur)
-      cur = b
-    else:
-      cur = f"{cur}\n\n{b}" if cur else b
-  if cur.strip():
-    docs.append(cur)
-  return [d for d in docs if d.strip()]
+WINDOW_GROUPS = 4  # documents are shuffled within windows of this many groups (~4k docs)
+WINDOWS_AHEAD = 2  # windows read and tokenized ahead of the packer
 
 
-@functools.lru_cache(maxsize=1)
-def embedded_documents() -> tuple[str, ...]:
-  """Text every Python install has: the standard library's source and pydoc topics."""
-  root = sysconfig.get_paths()["stdlib"]
-  skip = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
-  files = []
-  for d, dirs, names in os.walk(root):
-    dirs[:] = sorted(x for x in dirs if x not in skip)
-    files += [os.path.join(d, n) for n in sorted(names) if n.endswith(".py")]
-  docs = []
-  for path in files:
-    try:
-      with open(path, encoding="utf-8") as f:
-        docs += _split_source(f.read())
-    except (UnicodeDecodeError, OSError):
-      continue
-  try:
-    from pydoc_data import topics
-    for key in sorted(topics.topics):
-      docs += _split_source(topics.topics[key])
-  except ImportError:
-    pass
-  return tuple(docs)
+class TrainWindows:
+  """This process's stream of tokenized windows: window k is the k-th of all epochs."""
 
+  def __init__(self, split, tok, seed: int, process_index: int = 0, process_count: int = 1,
+               window_groups: int = WINDOW_GROUPS):
+    self.split, self.tok, self.seed = split, tok, seed
+    self.pi, self.pc, self.window_groups = process_index, process_count, window_groups
+    n = len(split.groups)
+    self.my_groups = len(range(process_index, n, process_count))
+    if self.my_groups == 0:
+      raise DataError(f"process {process_index} of {process_count} gets no training documents: "
+                      f"the split has {n} groups (Parquet row groups); use a larger corpus")
+    self.per_epoch = math.ceil(self.my_groups / window_groups)
 
-class ParquetDocuments:
-  """Rows of a `text` column across Parquet shards, random access by global row."""
+  def groups(self, k: int) -> np.ndarray:
+    epoch, w = divmod(k, self.per_epoch)
+    order = np.random.default_rng([self.seed, epoch]).permutation(len(self.split.groups))
+    mine = self.split.groups[order][self.pi::self.pc]
+    return mine[w * self.window_groups:(w + 1) * self.window_groups]
 
-  def __init__(self, files: list[str], column: str = "text"):
-    import pyarrow.parquet as pq
-    self.files, self.column = files, column
-    self._groups = []  # (file, row group, first global row)
-    start = 0
-    for f in files:
-      meta = pq.ParquetFile(f).metadata
-      names = pq.ParquetFile(f).schema_arrow.names
-      if column not in names:
-        raise DataError(f"data.corpus: {f} has no '{column}' column (columns: {names})")
-      for g in range(meta.num_row_groups):
-        self._groups.append((f, g, start))
-        start += meta.row_group(g).num_rows
-    self._n = start
-    self._starts = [s for _, _, s in self._groups]
-    self._cache = (None, None)
+  def window(self, k: int):
+    """(document ids, token arrays) of window k, in its shuffled order."""
+    ids, texts = [], []
+    for g in self.groups(k):
+      i, t = self.split.group_docs(int(g))
+      ids.append(i)
+      texts += t
+    ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    order = np.random.default_rng([self.seed, k, 1]).permutation(len(texts))
+    return ids[order], self.tok.encode_batch([texts[i] for i in order])
 
-  def __len__(self):
-    return self._n
+  def tokens_of(self, ids) -> dict:
+    """{id: tokens} for documents by id (a resume rebuilds the packer's buffer)."""
+    corpus = self.split.corpus
+    by_group = {}
+    for i in ids:
+      by_group.setdefault(corpus.group_of(int(i)), []).append(int(i))
+    out = {}
+    for g, members in by_group.items():
+      texts = corpus.read(g)
+      start = int(corpus.starts[g])
+      out.update(zip(members, self.tok.encode_batch([texts[i - start] for i in members])))
+    return out
 
-  def __getitem__(self, i: int) -> str:
-    import pyarrow.parquet as pq
-    k = bisect.bisect_right(self._starts, i) - 1
-    f, g, start = self._groups[k]
-    if self._cache[0] != (f, g):
-      col = pq.ParquetFile(f).read_row_group(g, columns=[self.column]).column(0)
-      self._cache = ((f, g), col.to_pylist())
-    return self._cache[1][i - start]
+  def stream(self, start: int):
+    """Windows start, start+1, ... made ahead in background threads."""
+    ds = grain.MapDataset.range(start, 2 ** 62).map(self.window)
+    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=WINDOWS_AHEAD,
+                                                     prefetch_buffer_size=WINDOWS_AHEAD)))
 
-
-def _read_text_file(path: str) -> list[str]:
-  with open(path, encoding="utf-8") as f:
-    if path.endswith((".jsonl", ".json")):
-      docs = []
-      for n, line in enumerate(f, 1):
-        if line.strip():
-          try:
-            docs.append(json.loads(line)["text"])
-          except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise DataError(f"data.corpus: {path} line {n} is not a JSON object with a "
-                            f"'text' field ({e})") from e
-      return docs
-    return [f.read()]
-
-
-def documents(corpus: str):
-  """A random-access sequence of document strings for `data.corpus`."""
-  if corpus == "embedded":
-    return embedded_documents()
-  if os.path.isdir(corpus):
-    files = sorted(p for p in glob.glob(os.path.join(corpus, "**", "*"), recursive=True)
-                   if os.path.isfile(p))
-  else:
-    files = sorted(glob.glob(corpus))
-    if not files:
-      raise DataError(f"data.corpus={corpus!r}: no such file, directory or glob match "
-                      "(expected 'embedded', a .txt/.jsonl/.parquet file, a directory or a glob)")
-  parquet = [f for f in files if f.endswith(".parquet")]
-  texts = [f for f in files if f.endswith((".txt", ".jsonl", ".json", ".md"))]
-  if parquet and texts:
-    raise DataError(f"data.corpus={corpus!r} mixes Parquet and text files; use one kind")
-  if parquet:
-    docs = ParquetDocuments(parquet)
-  else:
-    docs = [d for f in texts for d in _read_text_file(f)]
-  if len(docs) == 0:
-    raise DataError(f"data.corpus={corpus!r} holds no documents (expected .txt, .jsonl with "
-                    "a 'text' field, or .parquet with a 'text' column, and some text in them)")
-  return docs
-
-
-class Subset:
-  """Documents at the given indices of a parent sequence (lazy)."""
-
-  def __init__(self, parent, indices):
-    self.parent, self.indices = parent, indices
-
-  def __len__(self):
-    return len(self.indices)
-
-  def __getitem__(self, i):
-    return self.parent[int(self.indices[i])]
-
-
-def split(docs, val_every: int, which: str) -> Subset:
-  """The fixed held-out split: document i is validation iff i % val_every == 0."""
-  n = len(docs)
-  idx = np.arange(n)
-  if n < 2:
-    raise DataError("the corpus needs at least 2 documents (one is held out for validation)")
-  chosen = idx[idx % val_every == 0] if which == "val" else idx[idx % val_every != 0]
-  return Subset(docs, chosen)
-
-
-def shard(docs, process_index: int, process_count: int) -> Subset:
-  """This process's documents: disjoint across processes, together all of them."""
-  idx = np.arange(process_index, len(docs), process_count)
-  if len(idx) == 0:
-    raise DataError(f"process {process_index} of {process_count} gets no documents; "
-                    "the corpus is too small for this many hosts")
-  return Subset(docs, idx)
-
-
-# -- packing -------------------------------------------------------------------
 
 class PackedRows(grain.IterDataset):
-  """Rows of `row_len` tokens, BOS-aligned best fit with cropping.
+  """Rows of `row_len` tokens, BOS-aligned best fit with cropping (the reference's
+  dataloader). Each row: take the largest buffered document that fits the space left;
+  when none fits, take the shortest, put its first tokens in the space left, drop the
+  rest. Rows start with BOS (every document does) and carry no padding."""
 
-  Reads tokenized documents in order from a MapDataset (indices 0, 1, 2, ...).
-  Each row: take the largest buffered document that fits the space left; when
-  none fits, take the shortest, put its first tokens in the space left, drop
-  the rest. Rows start with BOS (every document does) and carry no padding.
-  """
-
-  def __init__(self, docs: grain.MapDataset, row_len: int, buffer_size: int = 1000):
+  def __init__(self, windows: TrainWindows, row_len: int, buffer_size: int = 1000):
     super().__init__()
-    self.docs, self.row_len, self.buffer_size = docs, row_len, buffer_size
+    self.windows, self.row_len, self.buffer_size = windows, row_len, buffer_size
 
   def __iter__(self):
-    return _PackedRowsIterator(self.docs, self.row_len, self.buffer_size)
+    return _PackedRowsIterator(self.windows, self.row_len, self.buffer_size)
 
 
 class _PackedRowsIterator(grain.DatasetIterator):
 
-  def __init__(self, docs, row_len, buffer_size):
+  def __init__(self, windows, row_len, buffer_size):
     super().__init__()
-    self.docs, self.row_len, self.buffer_size = docs, row_len, buffer_size
-    self._n = len(docs)
-    self._next = 0
-    self._buffer = []  # sorted by (length, doc index): (len, index, tokens)
+    self.windows, self.row_len, self.buffer_size = windows, row_len, buffer_size
+    self._k, self._offset = 0, 0      # the window being read, and the next document in it
+    self._stream = self._ids = self._toks = None  # started at the first document asked for
+    self._done = False                # a finite source (validation) has run out
+    self._buffer = []  # sorted by (length, document id): (length, id, tokens)
+
+  def _next_doc(self):
+    if self._stream is None:
+      self._stream = self.windows.stream(self._k)
+      self._ids, self._toks = next(self._stream)
+    while self._offset == len(self._ids):
+      self._ids, self._toks = next(self._stream)
+      self._k, self._offset = self._k + 1, 0
+    i = self._offset
+    self._offset += 1
+    return int(self._ids[i]), self._toks[i]
 
   def _fill(self):
-    while len(self._buffer) < self.buffer_size and self._next < self._n:
-      toks = np.asarray(self.docs[self._next], np.int32)
-      bisect.insort(self._buffer, (len(toks), self._next, toks), key=lambda e: e[:2])
-      self._next += 1
+    while not self._done and len(self._buffer) < self.buffer_size:
+      try:
+        i, toks = self._next_doc()
+      except StopIteration:
+        self._done = True
+        return
+      bisect.insort(self._buffer, (len(toks), i, toks), key=lambda e: e[:2])
 
   def __next__(self):
     row = []
@@ -233,35 +149,39 @@ class _PackedRowsIterator(grain.DatasetIterator):
     return np.concatenate(row)
 
   def get_state(self):
-    return {"next": int(self._next), "buffer": [int(i) for _, i, _ in self._buffer]}
+    return {"window": int(self._k), "offset": int(self._offset),
+            "buffer": [int(i) for _, i, _ in self._buffer]}
 
   def set_state(self, state):
-    self._next = int(state["next"])
-    self._buffer = []
-    for i in state["buffer"]:
-      toks = np.asarray(self.docs[i], np.int32)
-      self._buffer.append((len(toks), i, toks))
-    self._buffer.sort(key=lambda e: e[:2])
+    self._k, self._offset = int(state["window"]), int(state["offset"])
+    self._stream = None  # restarts at that window when next read
+    toks = self.windows.tokens_of(state["buffer"])
+    self._buffer = sorted(((len(toks[i]), i, toks[i]) for i in state["buffer"]),
+                          key=lambda e: e[:2])
 
 
-# -- pipelines -------------------------------------------------------------------
-
-def _tokenized(docs, tok, shuffle_seed=None):
-  ds = grain.MapDataset.source(docs)
-  if shuffle_seed is not None:
-    ds = ds.repeat().shuffle(seed=shuffle_seed)  # a new order every epoch
-  return ds.map(tok.encode)
-
-
-def train_batches(docs, tok, row_len: int, rows: int, seed: int, buffer_size: int = 1000):
+def train_batches(windows: TrainWindows, row_len: int, rows: int, buffer_size: int = 1000):
   """An endless, checkpointable iterator of [rows, row_len] int32 batches."""
-  packed = PackedRows(_tokenized(docs, tok, shuffle_seed=seed), row_len, buffer_size)
-  return iter(packed.batch(rows, drop_remainder=True))
+  return iter(PackedRows(windows, row_len, buffer_size).batch(rows, drop_remainder=True))
 
 
 def val_rows(docs, tok, row_len: int, n_rows: int, buffer_size: int = 1000) -> np.ndarray:
-  """The first n_rows packed rows of the held-out documents: the same tokens every time."""
-  it = iter(PackedRows(_tokenized(docs, tok), row_len, buffer_size))
+  """The first n_rows packed rows of the held-out documents (an iterable, in order), packed
+  like training rows: the same tokens every time."""
+  class _InOrder:  # the packer's window source over a fixed sequence of documents
+    def __init__(self):
+      self.docs = iter(docs)
+
+    def stream(self, start):
+      k = 0
+      while True:
+        chunk = [d for _, d in zip(range(1024), self.docs)]
+        if not chunk:
+          return
+        yield np.arange(k, k + len(chunk)), tok.encode_batch(chunk)
+        k += len(chunk)
+
+  it = _PackedRowsIterator(_InOrder(), row_len, buffer_size)
   rows = []
   for row in it:
     rows.append(row)
@@ -271,3 +191,26 @@ def val_rows(docs, tok, row_len: int, n_rows: int, buffer_size: int = 1000) -> n
     raise DataError("the validation split packs into no full row; use a larger corpus "
                     "or a shorter model.sequence_len")
   return np.stack(rows)
+
+
+def main(argv) -> int:
+  from absl import app
+  from absl import flags
+  from bov_jax import corpus
+  f = flags.FLAGS
+  if len(argv) != 2 or argv[1] != "download":
+    raise app.UsageError("usage: python -m bov_jax.data download --shards=N --dir=DIR [--dry_run]")
+  names = corpus.download(f.shards, f.dir, dry_run=f.dry_run)
+  for n in names:
+    print(f"{'would fetch' if f.dry_run else 'fetched'} {corpus.CLIMBMIX_REPO}/{n} -> {f.dir}")
+  print(json.dumps({"dir": f.dir, "fetched" if not f.dry_run else "would_fetch": names}))
+  return 0
+
+
+if __name__ == "__main__":
+  from absl import app
+  from absl import flags
+  flags.DEFINE_integer("shards", 8, "training shards of ClimbMix (the validation shard is added)")
+  flags.DEFINE_string("dir", "~/.cache/bov_jax/climbmix", "where the shards go (a local directory)")
+  flags.DEFINE_bool("dry_run", False, "print what would be fetched, fetch nothing")
+  app.run(lambda argv: sys.exit(main(argv)))

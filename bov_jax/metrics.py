@@ -19,6 +19,7 @@ import jax
 
 from bov_jax import checkpoint as ckpt_lib
 from bov_jax import config as config_lib
+from bov_jax import storage
 
 # record key -> TensorBoard / W&B tag
 TAGS = {
@@ -117,6 +118,7 @@ class Writer:
     _cut_after(self.jsonl, resume_step)
     if log_cfg.tensorboard:
       from tensorboardX import SummaryWriter
+      _tensorboard_to_buckets()
       # a resume's own file (names carry the second they were made in, and the step)
       self.tb = SummaryWriter(logdir=str(root), purge_step=resume_step + 1 if resume_step else None,
                               flush_secs=30, filename_suffix=f".step{resume_step}")
@@ -134,8 +136,7 @@ class Writer:
   def write(self, record: dict) -> None:
     if not self.on:
       return
-    with self.jsonl.open("a") as f:
-      f.write(json.dumps(record) + "\n")
+    storage.append_text(str(self.jsonl), json.dumps(record) + "\n")
     step = record["step"]
     scalars = {TAGS[k]: float(v) for k, v in record.items() if k in TAGS}
     if self.tb is not None:
@@ -151,13 +152,44 @@ class Writer:
       self.wandb.finish()
 
 
+class _BucketEventFile:
+  """An event file in a bucket: written whole at every flush, as tensorboardX's own GCS
+  writer does (that one needs google-cloud-storage's client; this goes through gcsfs)."""
+
+  def __init__(self, path: str):
+    self.path, self.data = path, bytearray()
+
+  def write(self, b):
+    self.data += b
+
+  def flush(self):
+    fs, p = storage.filesystem(self.path)
+    fs.pipe(p, bytes(self.data))
+
+  def close(self):
+    self.flush()
+
+
+class _BucketEventFiles:
+  def open(self, path):
+    return _BucketEventFile(path)
+
+  def directory_check(self, path):  # a bucket needs no directories
+    pass
+
+
+def _tensorboard_to_buckets():
+  from tensorboardX import record_writer
+  record_writer.register_writer_factory("gs", _BucketEventFiles())
+
+
 def _cut_after(p, step: int) -> None:
   """Drops the lines of metrics.jsonl past `step` (logged before a crash, logged again
   after the resume)."""
   if not p.exists():
     return
   text = p.read_text()
-  keep, offset = [], 0
+  offset = 0
   for line in text.splitlines(keepends=True):
     if line.strip() and json.loads(line).get("step", 0) > step:
       break

@@ -44,10 +44,10 @@ def evaluate(spec, workdir: str) -> dict:
     if spec.eval.core_bundle:
       result, name = {"step": int(step), **run_core(spec, graphdef, params, tok)}, "core.json"
     else:
-      _, val_docs = run_lib.documents(spec)
+      _, val_split = run_lib.documents(spec)
       rows = step_lib.batch_layout(spec).local_rows
       evaluator = bpb.Evaluator(spec, mesh, jax.jit(step_lib.make_eval_step(graphdef)),
-                                val_docs, tok, rows)
+                                val_split, tok, rows)
       result, name = {"step": int(step), "val_bpb": evaluator(params)}, "eval.json"
   if run_lib.is_main():
     (ckpt_lib.path(workdir) / name).write_text(json.dumps(result))

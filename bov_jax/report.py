@@ -10,12 +10,12 @@ core.json when `--mode=eval --config.eval.core_bundle=...` ran on it.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import numpy as np
 from absl import app
 from absl import flags
+from etils import epath
 
 
 def load_run(workdir: str) -> dict:
@@ -26,16 +26,12 @@ def load_run(workdir: str) -> dict:
   if cfg is None:
     raise FileNotFoundError(f"{workdir} has no config.json (not a bov_jax run)")
   spec = spec_lib.resolve(cfg)
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
+  root = epath.Path(workdir)
+  if not (root / "metrics.jsonl").exists():
     raise FileNotFoundError(f"{workdir} has no metrics.jsonl (has it trained?)")
-  with open(path) as f:
-    metrics = [json.loads(l) for l in f if l.strip()]
-  core = None
-  if os.path.exists(os.path.join(workdir, "core.json")):
-    with open(os.path.join(workdir, "core.json")) as f:
-      core = json.load(f)
-  return {"dir": workdir, "name": os.path.basename(os.path.normpath(workdir)), "cfg": cfg,
+  metrics = [json.loads(l) for l in (root / "metrics.jsonl").read_text().splitlines() if l.strip()]
+  core = json.loads((root / "core.json").read_text()) if (root / "core.json").exists() else None
+  return {"dir": workdir, "name": workdir.rstrip("/").rsplit("/", 1)[-1], "cfg": cfg,
           "mode": spec.model.value, "metrics": metrics, "core": core,
           "flops_per_token": plan.flops_per_token(spec.model),
           "targets": spec.model.target_layers}
@@ -86,6 +82,18 @@ def cache_saved_bytes(n_bank: int, kv_dim: int, vocab: int, contexts, bytes_per_
   return [n_bank * kv_dim * (t - vocab) * bytes_per_element for t in contexts]
 
 
+def _save(fig, out: str, name: str) -> str:
+  """A figure as PNG under `out` (a directory or a bucket prefix); its path."""
+  import io
+  import matplotlib.pyplot as plt
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png", dpi=120)
+  plt.close(fig)
+  path = epath.Path(out) / name
+  path.write_bytes(buf.getvalue())
+  return str(path)
+
+
 def plots(runs, out: str) -> list[str]:
   import matplotlib
   matplotlib.use("Agg")
@@ -107,9 +115,7 @@ def plots(runs, out: str) -> list[str]:
     a.grid(alpha=0.3)
   axes[1].legend(fontsize=7)
   fig.tight_layout()
-  written.append(os.path.join(out, "val_bpb.png"))
-  fig.savefig(written[-1], dpi=120)
-  plt.close(fig)
+  written.append(_save(fig, out, "val_bpb.png"))
   # Figure 2: learned coefficients per layer
   coeff_runs = [(r, coefficients(r["dir"])) for r in runs if r["mode"].coeff == "learned"
                 and r["mode"].combine != "gated_add"]
@@ -126,9 +132,7 @@ def plots(runs, out: str) -> list[str]:
     ax.set_ylabel("coefficient")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    written.append(os.path.join(out, "coefficients.png"))
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+    written.append(_save(fig, out, "coefficients.png"))
   # Figure 5a: value-cache memory saved per sequence against context length
   fig, ax = plt.subplots(figsize=(6, 4))
   contexts = np.logspace(np.log10(256), np.log10(262144), 40)
@@ -150,9 +154,7 @@ def plots(runs, out: str) -> list[str]:
   if seen:
     ax.legend(fontsize=7)
   fig.tight_layout()
-  written.append(os.path.join(out, "cache_memory.png"))
-  fig.savefig(written[-1], dpi=120)
-  plt.close(fig)
+  written.append(_save(fig, out, "cache_memory.png"))
   return written
 
 
@@ -179,12 +181,11 @@ def main(argv) -> int:
   except (FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  os.makedirs(flags.FLAGS.out, exist_ok=True)
+  out = epath.Path(flags.FLAGS.out)
+  out.mkdir(parents=True, exist_ok=True)
   written = plots(loaded, flags.FLAGS.out)
-  md = os.path.join(flags.FLAGS.out, "results.md")
-  with open(md, "w") as f:
-    f.write(markdown_table(loaded))
-  written.append(md)
+  (out / "results.md").write_text(markdown_table(loaded))
+  written.append(str(out / "results.md"))
   print(json.dumps({"written": written}))
   return 0
 

@@ -1,5 +1,5 @@
-"""What a process sets up before a mode runs: JAX's compilation cache, this process's
-documents, the tokenizer; and the one place that says who prints.
+"""What a process sets up before a mode runs: JAX's compilation cache, the corpus split,
+the tokenizer; and the one place that says who prints.
 """
 
 from __future__ import annotations
@@ -8,9 +8,12 @@ import os
 import sys
 
 import jax
+from etils import epath
 
-from bov_jax import data as data_lib
+from bov_jax import corpus as corpus_lib
 from bov_jax import tokenizer as tok_lib
+
+TOKENIZER_DIR = "tokenizer"
 
 
 def is_main() -> bool:
@@ -42,29 +45,43 @@ def use_compile_cache(path: str) -> None:
 
 
 def documents(spec):
-  """(training, validation) documents of this process: the fixed held-out split, each
-  process reading a disjoint share of both."""
-  docs = data_lib.documents(spec.data.corpus)
-  pi, pc = jax.process_index(), jax.process_count()
-  train = data_lib.split(docs, spec.data.val_every, "train")
-  val = data_lib.split(docs, spec.data.val_every, "val")
-  return data_lib.shard(train, pi, pc), data_lib.shard(val, pi, pc)
+  """(training, validation) splits of the corpus (corpus.Split); each process reads its
+  own share of both (data.TrainWindows, Split.documents)."""
+  c = corpus_lib.open_corpus(spec.data.corpus)
+  n_files = len(corpus_lib.parquet_files(spec.data.corpus))
+  return corpus_lib.split(c, spec.data.val_split, spec.data.val_every, n_files)
 
 
-def tokenizer(spec, workdir: str | None, train_docs=None) -> tok_lib.BPETokenizer:
-  """The workdir's tokenizer; where there is none, one trained on the first
-  data.tokenizer_chars characters of `train_docs` (and saved in the workdir), or, with
-  no documents given (evaluating or sampling a run), an error naming the file."""
-  if train_docs is None:
-    return tok_lib.load_from_workdir(workdir, spec.model.vocab_size)
-
-  def texts():
-    budget = spec.data.tokenizer_chars
-    for i in range(len(train_docs)):
-      text = train_docs[i]
-      yield text[:budget]
-      budget -= len(text)
-      if budget <= 0:
-        return
-
-  return tok_lib.load_or_train(workdir, texts, spec.model.vocab_size)
+def tokenizer(spec, workdir: str | None, train_split=None) -> tok_lib.Tokenizer:
+  """The run's tokenizer, kept in WORKDIR/tokenizer/: data.tokenizer when set (copied
+  into the run directory), else the run directory's; where there is none, one trained on
+  the training split's first data.tokenizer_chars characters, or, with no split given
+  (evaluating or sampling a run) or a run directory that already holds checkpoints
+  (converted weights), an error naming what is missing."""
+  vocab = spec.model.vocab_size
+  here = f"{workdir.rstrip('/')}/{TOKENIZER_DIR}" if workdir else None
+  have = bool(here) and (epath.Path(here) / tok_lib.PICKLE).exists()
+  if spec.data.tokenizer:
+    tok = tok_lib.checked(tok_lib.load(spec.data.tokenizer), spec.data.tokenizer, vocab)
+    if here and not have and is_main():
+      tok.save(here)
+    return tok
+  if have:
+    return tok_lib.checked(tok_lib.load(here), here, vocab)
+  if train_split is None or (workdir and (epath.Path(workdir) / "checkpoints").exists()):
+    raise tok_lib.TokenizerError(
+        f"--workdir={workdir} has no {TOKENIZER_DIR}/{tok_lib.PICKLE} (the run's tokenizer); "
+        "give the one its weights were trained with: --config.data.tokenizer=PATH, or "
+        "`python -m bov_jax.convert --tokenizer=DIR` when converting")
+  d = spec.data
+  if is_main() or not here:
+    texts = tok_lib.training_texts(train_split.documents(), d.tokenizer_chars, d.tokenizer_doc_cap)
+    tok = tok_lib.train(texts, vocab)
+    if here:
+      tok.save(here)
+  if here and jax.process_count() > 1:  # the others load what process 0 trained
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("bov_jax: tokenizer saved")
+    if not is_main():
+      tok = tok_lib.load(here)
+  return tok

@@ -98,7 +98,8 @@ def commands(sweep: dict, workdir_root: str, extra: list[str]) -> list[tuple[str
 
 def finished(workdir: str) -> bool:
   """A run is finished when the train loop wrote WORKDIR/DONE (after its last step)."""
-  return os.path.exists(os.path.join(workdir, "DONE"))
+  from etils import epath
+  return (epath.Path(workdir) / "DONE").exists()
 
 
 def _define_flags():

@@ -1,17 +1,29 @@
-"""Byte-level BPE (the reference's tokenizer.py recipe), trained with HF `tokenizers` and
-kept in the workdir.
+"""The authors' tokenizer: byte-level BPE trained with rustbpe, encoded with tiktoken, saved
+in nanochat's format (the reference's nanochat/tokenizer.py and scripts/tok_train.py).
 
-GPT-4-style split regex with `\\p{N}{1,2}`; the special tokens sit at the top of the
-vocabulary (trained merges first, then the 9 specials), `<|bos|>` starts every document.
+GPT-4-style split pattern with `\\p{N}{1,2}`; the nine special tokens sit at the top of the
+vocabulary (trained merges first); `<|bos|>` starts every document. Text is encoded with
+`encode_ordinary`, so document text never turns into a special token. A tokenizer is a
+directory holding `tokenizer.pkl` (a pickled tiktoken Encoding) and `token_bytes.npy`
+(with `token_bytes.pt` too when torch is installed, as nanochat writes it).
+
+  python -m bov_jax.tokenizer train --corpus=PATH --vocab_size=N --max_chars=M \\
+      --doc_cap=10000 --out=DIR           (documents in corpus order)
+  python -m bov_jax.tokenizer encode --tokenizer=PATH [--bos]   (text on stdin, ids out)
 """
 
 from __future__ import annotations
 
+import functools
+import io
+import json
 import os
+import pickle
+import sys
 from typing import Iterable
 
 import numpy as np
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from etils import epath
 
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}|"""
                  r""" ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+""")
@@ -19,100 +31,171 @@ RESERVED_TOKENS = [  # nanochat's special tokens, in its order
     "<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
     "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>"]
 BOS = "<|bos|>"
-FILENAME = "tokenizer.json"
+PICKLE = "tokenizer.pkl"
+DOC_CAP = 10_000  # the reference trains on each document's first 10,000 characters
 
 
-class BPETokenizer:
-  """A thin wrapper: encode with BOS, decode, token_bytes for bits per byte."""
+class TokenizerError(ValueError):
+  """A tokenizer setting or file that cannot be used."""
 
-  def __init__(self, tok: Tokenizer):
-    self.tok = tok
-    self.bos_id = tok.token_to_id(BOS)
-    if self.bos_id is None:
-      raise ValueError("tokenizer has no <|bos|> token")
+
+class Tokenizer:
+  """A tiktoken Encoding with BOS handling, batch encoding and token byte lengths."""
+
+  def __init__(self, enc):
+    self.enc = enc
+    try:
+      self.bos_id = enc.encode_single_token(BOS)
+    except KeyError as e:
+      raise TokenizerError(f"tokenizer {enc.name!r} has no {BOS} token") from e
 
   @property
   def vocab_size(self) -> int:
-    return self.tok.get_vocab_size()
+    return self.enc.n_vocab
 
   def encode(self, text: str, bos: bool = True) -> list[int]:
-    ids = self.tok.encode(text, add_special_tokens=False).ids
+    ids = self.enc.encode_ordinary(text)
     return [self.bos_id] + ids if bos else ids
 
-  def encode_batch(self, texts: list[str], bos: bool = True) -> list[list[int]]:
-    out = self.tok.encode_batch(texts, add_special_tokens=False)
-    return [([self.bos_id] if bos else []) + e.ids for e in out]
+  def encode_batch(self, texts: list[str], bos: bool = True) -> list[np.ndarray]:
+    """Many documents at once, as int32 arrays, on a thread per core. Straight into numpy
+    (tiktoken's buffer, no special tokens allowed: encode_ordinary's ids): lists of ints
+    and their conversion cost as much again as the encoding."""
+    head = np.asarray([self.bos_id] if bos else [], np.int32)
+
+    def one(text):
+      ids = self.enc.encode_to_numpy(text, disallowed_special=()).view(np.int32)
+      return np.concatenate([head, ids]) if bos else ids
+    return list(_pool().map(one, texts, chunksize=16))
 
   def decode(self, ids) -> str:
-    return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    return self.enc.decode([int(i) for i in ids])
 
+  @functools.cache
   def token_bytes(self) -> np.ndarray:
-    """UTF-8 byte length of each decoded token; 0 for special tokens (bits per byte)."""
-    special = {self.tok.token_to_id(s) for s in RESERVED_TOKENS}
+    """UTF-8 byte length of each decoded token; 0 for special tokens (as the reference
+    computes it for bits per byte: decode to text, then encode)."""
+    special = set(self.enc.special_tokens_set)
     out = np.zeros(self.vocab_size, np.int32)
     for i in range(self.vocab_size):
-      if i not in special:
-        out[i] = len(self.tok.decode([i]).encode("utf-8"))
+      text = self.enc.decode([i])
+      if text not in special:
+        out[i] = len(text.encode("utf-8"))
     return out
 
-  def save(self, path: str) -> None:
-    from etils import epath  # local paths and gs:// alike
-    tmp = epath.Path(path + ".tmp")
-    tmp.write_text(self.tok.to_str())
-    tmp.replace(path)  # atomic on local disks: a reader never sees half a file
+  def save(self, directory: str) -> None:
+    """tokenizer.pkl and token_bytes (.npy; and .pt where torch is installed)."""
+    d = epath.Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / PICKLE).write_bytes(pickle.dumps(self.enc))
+    buf = io.BytesIO()
+    np.save(buf, self.token_bytes())
+    (d / "token_bytes.npy").write_bytes(buf.getvalue())
+    try:
+      import torch  # nanochat reads token_bytes.pt; torch stays optional here
+    except ImportError:
+      return
+    buf = io.BytesIO()
+    torch.save(torch.tensor(self.token_bytes(), dtype=torch.int32), buf)
+    (d / "token_bytes.pt").write_bytes(buf.getvalue())
 
 
-def train(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+@functools.cache
+def _pool():
+  import concurrent.futures
+  return concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1,
+                                               thread_name_prefix="bov_jax_tokenizer")
+
+
+def training_texts(docs: Iterable[str], max_chars: int, doc_cap: int = DOC_CAP):
+  """The reference's trainer input: documents in order, each cut to its first `doc_cap`
+  characters, until more than `max_chars` characters have been given."""
+  n = 0
+  for doc in docs:
+    text = doc[:doc_cap]
+    n += len(text)
+    yield text
+    if n > max_chars:
+      return
+
+
+def train(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+  """rustbpe trained on `texts` to vocab_size - 9 merges and bytes, then the specials."""
+  import rustbpe
+  import tiktoken
   n_merges = vocab_size - len(RESERVED_TOKENS)
   if n_merges < 256:
-    raise ValueError(f"tokenizer vocab_size={vocab_size} must be at least "
-                     f"{256 + len(RESERVED_TOKENS)} (256 bytes + {len(RESERVED_TOKENS)} specials)")
-  tok = Tokenizer(models.BPE(byte_fallback=False))
-  tok.pre_tokenizer = pre_tokenizers.Sequence([
-      pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
-      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-  ])
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=n_merges, show_progress=False, min_frequency=0,
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                special_tokens=[])
-  tok.train_from_iterator(texts, trainer=trainer)
-  if tok.get_vocab_size() != n_merges:
-    raise ValueError(f"the corpus is too small for a {vocab_size}-token vocabulary: BPE "
-                     f"found only {tok.get_vocab_size()} tokens; lower model.vocab_size")
-  tok.add_special_tokens(RESERVED_TOKENS)  # appended: ids vocab_size-9 .. vocab_size-1
-  return BPETokenizer(tok)
+    raise TokenizerError(f"model.vocab_size={vocab_size} must be at least "
+                         f"{256 + len(RESERVED_TOKENS)} (256 bytes + {len(RESERVED_TOKENS)} specials)")
+  bpe = rustbpe.Tokenizer()
+  bpe.train_from_iterator(iter(texts), n_merges, pattern=SPLIT_PATTERN)
+  ranks = {bytes(k): v for k, v in bpe.get_mergeable_ranks()}
+  if len(ranks) != n_merges:
+    raise TokenizerError(f"the corpus is too small for a {vocab_size}-token vocabulary: BPE "
+                         f"found only {len(ranks)} tokens; lower model.vocab_size")
+  specials = {name: len(ranks) + i for i, name in enumerate(RESERVED_TOKENS)}
+  enc = tiktoken.Encoding(name="rustbpe", pat_str=bpe.get_pattern(), mergeable_ranks=ranks,
+                          special_tokens=specials)
+  return Tokenizer(enc)
 
 
-def load(path: str) -> BPETokenizer:
-  from etils import epath
-  return BPETokenizer(Tokenizer.from_str(epath.Path(path).read_text()))
+def load(path: str) -> Tokenizer:
+  """A saved tokenizer: a directory holding tokenizer.pkl (ours or nanochat's), or the file."""
+  p = epath.Path(path)
+  if p.is_dir():
+    p = p / PICKLE
+  if not p.exists():
+    raise TokenizerError(f"{path}: no {PICKLE} (expected a tokenizer directory or its "
+                         f"{PICKLE}, as nanochat and bov_jax save them)")
+  return Tokenizer(pickle.loads(p.read_bytes()))
 
 
-def _checked(tok: BPETokenizer, path: str, vocab_size: int) -> BPETokenizer:
+def checked(tok: Tokenizer, where: str, vocab_size: int) -> Tokenizer:
   if tok.vocab_size != vocab_size:
-    raise ValueError(f"{path} has {tok.vocab_size} tokens but model.vocab_size={vocab_size}; "
-                     "use a fresh --workdir or the matching vocab_size")
+    raise TokenizerError(f"{where} has {tok.vocab_size} tokens but model.vocab_size="
+                         f"{vocab_size}; use the matching vocab_size")
   return tok
 
 
-def load_from_workdir(workdir: str, vocab_size: int) -> BPETokenizer:
-  """A run's tokenizer (evaluation, sampling): an error naming the file if it is missing."""
-  from etils import epath
-  path = os.path.join(workdir, FILENAME)
-  if not epath.Path(path).exists():
-    raise FileNotFoundError(f"--workdir={workdir} has no {FILENAME} (the run's tokenizer)")
-  return _checked(load(path), path, vocab_size)
+# -- the command -------------------------------------------------------------------------
+
+def _define_flags():
+  from absl import flags
+  flags.DEFINE_string("corpus", None, "train: data.corpus to read documents from, in order")
+  flags.DEFINE_integer("vocab_size", 32768, "train: vocabulary size, specials included")
+  flags.DEFINE_integer("max_chars", 2_000_000_000, "train: characters of text to train on")
+  flags.DEFINE_integer("doc_cap", DOC_CAP, "train: characters kept of each document")
+  flags.DEFINE_string("out", None, "train: the directory to save the tokenizer in")
+  flags.DEFINE_string("tokenizer", None, "encode: a tokenizer directory or tokenizer.pkl")
+  flags.DEFINE_bool("bos", False, "encode: prepend <|bos|>")
 
 
-def load_or_train(workdir: str | None, texts_fn, vocab_size: int) -> BPETokenizer:
-  """The workdir's tokenizer if there is one (checked against vocab_size), else a new one."""
-  from etils import epath
-  path = os.path.join(workdir, FILENAME) if workdir else None
-  if path and epath.Path(path).exists():
-    return _checked(load(path), path, vocab_size)
-  tok = train(texts_fn(), vocab_size)
-  if path:
-    epath.Path(workdir).mkdir(parents=True, exist_ok=True)
-    tok.save(path)
-  return tok
+def main(argv) -> int:
+  from absl import app
+  from absl import flags
+  f = flags.FLAGS
+  if len(argv) != 2 or argv[1] not in ("train", "encode"):
+    raise app.UsageError("usage: python -m bov_jax.tokenizer {train|encode} [flags]")
+  try:
+    if argv[1] == "train":
+      if not f.corpus or not f.out:
+        raise app.UsageError("train needs --corpus=PATH and --out=DIR")
+      from bov_jax import corpus as corpus_lib
+      docs = corpus_lib.open_corpus(f.corpus).documents()
+      tok = train(training_texts(docs, f.max_chars, f.doc_cap), f.vocab_size)
+      tok.save(f.out)
+      print(json.dumps({"tokenizer": f.out, "vocab_size": tok.vocab_size}))
+      return 0
+    if not f.tokenizer:
+      raise app.UsageError("encode needs --tokenizer=PATH")
+    print(json.dumps(load(f.tokenizer).encode(sys.stdin.read(), bos=f.bos)))
+    return 0
+  except (TokenizerError, ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  from absl import app
+  _define_flags()
+  app.run(lambda argv: sys.exit(main(argv)))

@@ -67,25 +67,27 @@ def train(spec, workdir: str | None) -> dict:
     if run_lib.is_main() and done.exists():
       done.unlink()  # training goes on (more steps asked for): not finished until it ends
   mesh = sharding.make_mesh(spec.mesh)
-  train_docs, val_docs = run_lib.documents(spec)
-  tok = run_lib.tokenizer(spec, workdir, train_docs)
+  train_split, val_split = run_lib.documents(spec)
+  tok = run_lib.tokenizer(spec, workdir, train_split)
   fpt = plan.flops_per_token(spec.model)
   n = plan.num_iterations(spec, fpt)
   trainer = step_lib.build(spec, mesh, n)
   with jax.set_mesh(mesh):
-    return _Loop(spec, workdir, mesh, trainer, tok, train_docs, val_docs, n, fpt).run()
+    return _Loop(spec, workdir, mesh, trainer, tok, train_split, val_split, n, fpt).run()
 
 
 class _Loop:
 
-  def __init__(self, spec, workdir, mesh, trainer, tok, train_docs, val_docs, n, fpt):
+  def __init__(self, spec, workdir, mesh, trainer, tok, train_split, val_split, n, fpt):
     self.spec, self.workdir, self.mesh, self.trainer, self.tok = spec, workdir, mesh, trainer, tok
     self.n, self.fpt = n, fpt
     t = spec.train
     self.layout = trainer.layout
     T = spec.model.sequence_len
-    self.it = data_lib.train_batches(train_docs, tok, T + 1, self.layout.local_rows, seed=t.seed)
-    self.evaluator = bpb.Evaluator(spec, mesh, trainer.eval_step, val_docs, tok,
+    windows = data_lib.TrainWindows(train_split, tok, t.seed, jax.process_index(),
+                                    jax.process_count())
+    self.it = data_lib.train_batches(windows, T + 1, self.layout.local_rows)
+    self.evaluator = bpb.Evaluator(spec, mesh, trainer.eval_step, val_split, tok,
                                    self.layout.local_rows)
     self.ckpts = ckpt_lib.Checkpoints(workdir, keep=t.keep_checkpoints) if workdir else None
     self.params, self.opt_state = trainer.params, trainer.opt_state

@@ -10,7 +10,6 @@ from flax import nnx
 
 from bov_jax import inference
 from bov_jax import kvcache
-from bov_jax import model as model_lib
 from bov_jax import values
 from bov_jax.kernels import sampling
 from tests.helpers import init_model, small_config

@@ -106,8 +106,8 @@ def test_bov_at_init_equals_x0_replace_at_init():
   bov = init_model(small_config("gpt_base_v_from_value_emb_learn"), key)
   x0 = init_model(small_config("gpt_base_v_from_x0_learn"), key)
   # W_o is zero at init, so make both models' outputs sensitive to V the same way
-  for mm in (bov, x0):
-    for i, b in enumerate(mm.blocks):
+  for m in (bov, x0):
+    for i, b in enumerate(m.blocks):
       b.attn.wo.set_value(0.1 * jax.random.normal(jax.random.key(100 + i), b.attn.wo.shape))
   idx = _idx()
   np.testing.assert_allclose(np.asarray(bov(idx)), np.asarray(x0(idx)), atol=2e-5)

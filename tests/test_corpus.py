@@ -1,0 +1,106 @@
+"""Corpora (text, JSONL, Parquet; local or bucket), the held-out split, fetching ClimbMix."""
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from bov_jax import corpus
+
+
+def write_shards(d, n_files, rows, group=2, prefix="s"):
+  d.mkdir(parents=True, exist_ok=True)
+  for k in range(n_files):
+    pq.write_table(pa.table({"text": [f"{prefix}{k} r{i}" for i in range(rows)]}),
+                   d / f"shard_{k:05d}.parquet", row_group_size=group)
+
+
+def test_embedded_corpus_needs_no_download():
+  docs = corpus.embedded_documents()
+  assert len(docs) > 1000 and sum(map(len, docs)) > 1_000_000
+  assert any("def " in d for d in docs[:50])
+  c = corpus.open_corpus("embedded")
+  assert c.n_docs == len(docs) and c.doc(1500) == docs[1500]
+
+
+def test_text_jsonl_and_parquet_corpora(tmp_path):
+  (tmp_path / "a.jsonl").write_text('{"text": "first"}\n\n{"text": "second"}\n')
+  (tmp_path / "b.txt").write_text("third document")
+  assert sorted(corpus.open_corpus(str(tmp_path)).documents()) == ["first", "second",
+                                                                   "third document"]
+  write_shards(tmp_path / "pq", 2, 5)
+  c = corpus.open_corpus(str(tmp_path / "pq" / "*.parquet"))
+  assert c.n_docs == 10 and c.n_groups == 6  # 3 row groups of <= 2 rows per file
+  assert c.doc(0) == "s0 r0" and c.doc(7) == "s1 r2" and c.doc(9) == "s1 r4"
+  assert list(c.files) == [0, 0, 0, 1, 1, 1] and c.read(4) == ["s1 r2", "s1 r3"]
+
+
+def test_corpus_errors_are_named(tmp_path):
+  with pytest.raises(corpus.DataError, match=r"data\.corpus='/nonexistent/x\.txt': no such file"
+                     r".*python -m bov_jax\.data download"):
+    corpus.open_corpus("/nonexistent/x.txt")
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(corpus.DataError, match="no such file"):
+    corpus.open_corpus(str(tmp_path / "empty"))
+  (tmp_path / "bad.jsonl").write_text('{"txt": 1}\n')
+  with pytest.raises(corpus.DataError, match=r"bad\.jsonl line 1"):
+    corpus.open_corpus(str(tmp_path / "bad.jsonl"))
+  pq.write_table(pa.table({"content": ["x"]}), tmp_path / "c.parquet")
+  with pytest.raises(corpus.DataError, match="no 'text' column"):
+    corpus.open_corpus(str(tmp_path / "c.parquet"))
+
+
+def test_every_nth_split_is_fixed_and_process_shares_are_disjoint():
+  c = corpus._blocks([f"doc {i}" for i in range(2103)])
+  train, val = corpus.split(c, "auto", 10, n_files=0)
+  assert list(val.documents()) == [f"doc {i}" for i in range(0, 2103, 10)]
+  shares = [list(train.documents(p, 4)) for p in range(4)]
+  seen = [d for s in shares for d in s]
+  assert len(seen) == len(set(seen)) == 2103 - 211
+  assert not set(seen) & set(val.documents())
+
+
+def test_last_shard_is_the_validation_split(tmp_path):
+  write_shards(tmp_path, 3, 4)
+  c = corpus.open_corpus(str(tmp_path))
+  train, val = corpus.split(c, "auto", 20, n_files=3)  # auto: two or more Parquet files
+  assert list(val.documents()) == [f"s2 r{i}" for i in range(4)]
+  assert sorted(d for g in train.groups for d in train.group_docs(int(g))[1]) == sorted(
+      f"s{k} r{i}" for k in range(2) for i in range(4))
+  with pytest.raises(corpus.DataError, match=r"data\.val_split='last_shard' needs two or more"):
+    corpus.split(corpus._blocks(["a", "b"]), "last_shard", 20, n_files=1)
+
+
+def test_download_fetches_what_is_missing_and_the_validation_shard(tmp_path):
+  assert corpus.climbmix_shards(3) == ["shard_00000.parquet", "shard_00001.parquet",
+                                       "shard_00002.parquet", "shard_06542.parquet"]
+  (tmp_path / "shard_00001.parquet").write_bytes(b"done")  # complete from an earlier run
+  assert corpus.download(3, str(tmp_path), dry_run=True) == [
+      "shard_00000.parquet", "shard_00002.parquet", "shard_06542.parquet"]
+  fetched = []
+
+  def fetch(name):
+    if name == "shard_00002.parquet" and not fetched.count(name):
+      fetched.append(name)
+      raise ConnectionError("cut short")  # a download that fails leaves no final file
+    fetched.append(name)
+    (tmp_path / name).write_bytes(b"data")
+
+  with pytest.raises(ConnectionError):
+    corpus.download(3, str(tmp_path), fetch=fetch)
+  assert corpus.download(3, str(tmp_path), dry_run=True) == ["shard_00002.parquet"]
+  assert corpus.download(3, str(tmp_path), fetch=fetch) == ["shard_00002.parquet"]
+  assert sorted(os.listdir(tmp_path)) == corpus.climbmix_shards(3)
+
+
+def test_download_command_dry_run(tmp_path):
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, "-m", "bov_jax.data", "download", "--shards=2",
+                        f"--dir={tmp_path}", "--dry_run"], capture_output=True, text=True,
+                       cwd=root, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert "would fetch karpathy/climbmix-400b-shuffle/shard_00001.parquet" in out.stdout
+  assert "shard_06542.parquet" in out.stdout and not os.listdir(tmp_path)
