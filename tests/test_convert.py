@@ -124,3 +124,42 @@ def test_convert_command_needs_a_model_type(tmp_path):
 
 def helpers_root():
   return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_convert_brings_the_reference_tokenizer_and_never_trains_one(tmp_path):
+  """--tokenizer copies the authors' tokenizer.pkl into the run directory; a converted run
+  without one is refused a freshly trained tokenizer (its weights need their own)."""
+  import pickle
+  from bov_jax import corpus
+  from bov_jax import run as run_lib
+  from bov_jax import tokenizer as tok_lib
+  from tests.helpers import run_spec, small_config
+  dims = dict(DIMS, vocab_size=300)
+  mt = "gpt_base"
+  np.savez(tmp_path / "model_000007.npz", **helpers.random_reference_state_dict(mt, dims))
+  (tmp_path / "meta.json").write_text(json.dumps({"model_config": dims, "model_type": mt}))
+  ref = tok_lib.train(tok_lib.training_texts(corpus.embedded_documents()[:400], 300_000), 300)
+  (tmp_path / "ref_tok").mkdir()
+  (tmp_path / "ref_tok" / "tokenizer.pkl").write_bytes(pickle.dumps(ref.enc))
+  cmd = [sys.executable, "-m", "bov_jax.convert", f"--checkpoint={tmp_path}/model_000007.npz",
+         f"--meta={tmp_path}/meta.json"]
+  out = subprocess.run(cmd + [f"--workdir={tmp_path}/run", f"--tokenizer={tmp_path}/ref_tok"],
+                       capture_output=True, text=True, cwd=helpers_root(), timeout=300)
+  assert out.returncode == 0, out.stderr
+  got = tok_lib.load(str(tmp_path / "run" / "tokenizer"))
+  assert got.encode("def f(x): return x") == ref.encode("def f(x): return x")
+  spec = run_spec(small_config("gpt_base", vocab_size=300))
+  assert run_lib.tokenizer(spec, str(tmp_path / "run")).vocab_size == 300
+  out = subprocess.run(cmd + [f"--workdir={tmp_path}/bare"], capture_output=True, text=True,
+                       cwd=helpers_root(), timeout=300)
+  assert out.returncode == 0, out.stderr
+  train, _ = run_lib.documents(spec)
+  with pytest.raises(tok_lib.TokenizerError, match=r"has no tokenizer/tokenizer\.pkl.*"
+                     r"--config\.data\.tokenizer=PATH"):
+    run_lib.tokenizer(spec, str(tmp_path / "bare"), train)  # would train: refused
+  (tmp_path / "small").mkdir()
+  small = tok_lib.train(tok_lib.training_texts(corpus.embedded_documents()[:400], 300_000), 280)
+  (tmp_path / "small" / "tokenizer.pkl").write_bytes(pickle.dumps(small.enc))
+  bad = subprocess.run(cmd + [f"--workdir={tmp_path}/r2", f"--tokenizer={tmp_path}/small"],
+                       capture_output=True, text=True, cwd=helpers_root(), timeout=300)
+  assert bad.returncode == 2 and "has 280 tokens but model.vocab_size=300" in bad.stderr

@@ -1,7 +1,6 @@
 """Corpora (text, JSONL, Parquet; local or bucket), the held-out split, fetching ClimbMix."""
 import os
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest

@@ -71,3 +71,17 @@ def test_scaling_params_is_dense_layout():
   assert plan.scaling_params(model_spec(config_lib.depth_config(12))) == 110100480
   assert plan.scaling_params(model_spec(config_lib.depth_config(
       12, "gpt_base_v_from_value_emb_learn"))) == 110100480
+
+
+def test_a_paper_config_without_its_corpus_is_named(tmp_path):
+  """The paper configs read ClimbMix; where it is missing, the run stops before building
+  anything, naming data.corpus and the command that fetches it. --mode=plan needs no data."""
+  out = subprocess.run([sys.executable, "-m", "bov_jax.main", "--config=configs/bov_780m.py",
+                        f"--workdir={tmp_path}/run",
+                        f"--config.data.corpus={tmp_path}/climbmix"],
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert f"data.corpus='{tmp_path}/climbmix'" in out.stderr
+  assert "python -m bov_jax.data download" in out.stderr
+  p = _plan_cli("configs/bov_780m.py")
+  assert p["eval_tokens"] == 80 * 524288
