@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import NamedTuple
 
 import jax
 import ml_collections
@@ -85,7 +86,7 @@ def adopt_config(workdir: str, cfg, log=print, write: bool = True) -> None:
     return
   delta = config_lib.changes(old, cfg)
   fixed = config_lib.fixed_changes(delta)
-  if fixed and Checkpoints(workdir, async_save=False).latest_step() is not None:
+  if fixed and saved_steps(workdir):
     lines = "\n".join(f"  {k}: the run has {a!r}, asked for {b!r}" for k, (a, b) in fixed.items())
     raise RunDirError(
         f"--workdir={workdir} holds a run whose checkpoints cannot restore into the requested "
@@ -95,7 +96,7 @@ def adopt_config(workdir: str, cfg, log=print, write: bool = True) -> None:
     log("resuming with changed settings: "
         + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in delta.items()))
     record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-              "after_step": Checkpoints(workdir, async_save=False).latest_step(),
+              "after_step": max(saved_steps(workdir), default=None),
               "changes": {k: [a, b] for k, (a, b) in delta.items()}}
     changes = path(workdir) / "config_changes.jsonl"
     before = changes.read_text() if changes.exists() else ""
@@ -105,6 +106,13 @@ def adopt_config(workdir: str, cfg, log=print, write: bool = True) -> None:
 
 # -- orbax ------------------------------------------------------------------------------
 
+def saved_steps(workdir: str) -> list[int]:
+  """The steps checkpointed in a workdir, from its listing alone (no orbax manager: making
+  one is a collective every process must join)."""
+  d = path(workdir) / "checkpoints"
+  return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
 def _abstract(tree):
   """What orbax restores into: shapes, dtypes and shardings (a single device where an
   abstract leaf has none)."""
@@ -113,6 +121,14 @@ def _abstract(tree):
   def leaf(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or device)
   return jax.tree.map(leaf, tree)
+
+
+class Restored(NamedTuple):
+  step: int
+  params: object
+  opt_state: object
+  meta: dict
+  data_restored: bool = False
 
 
 class Checkpoints:
@@ -146,16 +162,15 @@ class Checkpoints:
       items["data"] = grain.checkpoint.CheckpointSave(data_iter)
     return self.mgr.save(step, args=ocp.args.Composite(**items), force=force)
 
-  def restore(self, params, opt_state=None, data_iter=None, log=print):
-    """(step, params, opt_state or None, meta) of the newest readable checkpoint, or None
-    when there is none. `params` and `opt_state` give the shapes and shardings to restore
-    into (arrays or abstract); `data_iter` is restored in place."""
+  def restore(self, params, opt_state=None, data_iter=None, log=print) -> Restored | None:
+    """The newest readable checkpoint, or None when there is none. `params` and
+    `opt_state` give the shapes and shardings to restore into (arrays or abstract);
+    `data_iter` is restored in place where the checkpoint holds its state for this
+    process count (`data_restored`; a run resumed on another number of processes starts
+    its data afresh)."""
     items = {"params": ocp.args.StandardRestore(_abstract(params))}
     if opt_state is not None:
       items["opt"] = ocp.args.StandardRestore(_abstract(opt_state))
-    if data_iter is not None:
-      import grain
-      items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
     for step in reversed(self.all_steps()):
       try:
         out = self.mgr.restore(step, args=ocp.args.Composite(**items))
@@ -168,7 +183,20 @@ class Checkpoints:
         meta = self.mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
       except Exception:  # noqa: BLE001 - a converted checkpoint may carry no metadata
         pass
-      return step, out["params"], out.get("opt") if opt_state is not None else None, meta
+      data_restored = False
+      if data_iter is not None:
+        import grain
+        mine = (f"process_{jax.process_index()}-of-{jax.process_count()}.json")
+        if (path(self.workdir) / "checkpoints" / str(step) / "data" / mine).exists():
+          self.mgr.restore(step, args=ocp.args.Composite(
+              data=grain.checkpoint.CheckpointRestore(data_iter)))
+          data_restored = True
+        else:
+          log(f"warning: checkpoint {step} holds no data-iterator state for "
+              f"{jax.process_count()} process(es) (it was saved by another number); the "
+              "data order starts afresh")
+      return Restored(step, out["params"], out.get("opt") if opt_state is not None else None,
+                      meta, data_restored)
     if self.all_steps():
       raise CorruptCheckpointError(
           f"no checkpoint under {checkpoint_dir(self.workdir)} could be read "

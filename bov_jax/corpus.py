@@ -78,7 +78,8 @@ class Corpus:
       yield from self.read(g)
 
 
-def _blocks(docs: list[str]) -> Corpus:
+def from_documents(docs: list[str]) -> Corpus:
+  """A corpus of documents in memory, in groups of GROUP_DOCS."""
   sizes = [min(GROUP_DOCS, len(docs) - s) for s in range(0, len(docs), GROUP_DOCS)]
   return Corpus(sizes, [0] * len(sizes), lambda g: list(docs[g * GROUP_DOCS:(g + 1) * GROUP_DOCS]))
 
@@ -187,7 +188,7 @@ def _files(corpus: str):
 def open_corpus(corpus: str) -> Corpus:
   """The corpus a `data.corpus` setting names."""
   if corpus == "embedded":
-    return _blocks(list(embedded_documents()))
+    return from_documents(list(embedded_documents()))
   fs, files = _files(corpus)
   parquet = [f for f in files if f.endswith(".parquet")]
   texts = [f for f in files if f.endswith((".txt", ".jsonl", ".json", ".md"))]
@@ -199,7 +200,7 @@ def open_corpus(corpus: str) -> Corpus:
   if not docs:
     raise DataError(f"data.corpus={corpus!r} holds no documents (expected .txt, .jsonl with "
                     f"a 'text' field, or .parquet with a 'text' column); {DOWNLOAD_HINT}")
-  return _blocks(docs)
+  return from_documents(docs)
 
 
 class Split:

@@ -25,13 +25,43 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, met
 _MODE = flags.DEFINE_enum("mode", "train", MODES, "What to do.")
 _DISTRIBUTED = flags.DEFINE_enum(
     "distributed", "auto", ("auto", "true", "false"),
-    "Call jax.distributed.initialize() (auto: on multi-host TPU pods and when "
-    "JAX_COORDINATOR_ADDRESS is set).")
+    "Start JAX's multi-process runtime (auto: when a coordinator is given, or on a "
+    "multi-host TPU pod or a SLURM job of several tasks).")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0's coordinator (default: "
+    "JAX_COORDINATOR_ADDRESS, or what the cluster says on TPU pods and SLURM).")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Processes in the run (default: JAX_NUM_PROCESSES, or the cluster's).")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "This process's index (default: JAX_PROCESS_ID, or the cluster's).")
 
 
-def _multi_host_env() -> bool:
-  hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-  return "," in hosts or bool(os.environ.get("JAX_COORDINATOR_ADDRESS"))
+def distributed_settings(environ=os.environ) -> dict | None:
+  """jax.distributed.initialize's arguments for this process, or None for a single
+  process. Flags win over JAX's environment variables; what neither gives is left to
+  JAX's cluster detection (TPU pods, SLURM)."""
+  def pick(flag, var, kind):
+    return flag.value if flag.value is not None else (kind(environ[var]) if var in environ else None)
+  args = {"coordinator_address": pick(_COORDINATOR, "JAX_COORDINATOR_ADDRESS", str),
+          "num_processes": pick(_NUM_PROCESSES, "JAX_NUM_PROCESSES", int),
+          "process_id": pick(_PROCESS_ID, "JAX_PROCESS_ID", int)}
+  on_cluster = ("," in environ.get("TPU_WORKER_HOSTNAMES", "")
+                or int(environ.get("SLURM_NTASKS", "1")) > 1)
+  wanted = {"true": True, "false": False}.get(
+      _DISTRIBUTED.value, args["coordinator_address"] is not None or on_cluster)
+  if not wanted or args["num_processes"] == 1:
+    return None
+  return args
+
+
+def start_distributed(args: dict) -> None:
+  """jax.distributed.initialize, with CPU collectives (gloo) where the processes compute
+  on the CPU: XLA's CPU backend has no cross-process collectives of its own."""
+  import jax
+  from bov_jax import hostmem
+  if hostmem.cpu_only():
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(**args)
 
 
 def _print_json(obj) -> None:
@@ -65,7 +95,8 @@ def config_for(mode: str, workdir: str | None, parsed, given: bool, argv):
 
 
 def run(mode: str, cfg, workdir: str | None) -> int:
-  """Runs a mode; returns the exit code (2: bad input, 1: the run failed)."""
+  """Runs a mode; returns the exit code: 0 done, 2 bad input, 1 the run failed,
+  train.PREEMPTED_EXIT (75) stopped by a preemption, checkpointed: run it again."""
   from bov_jax import checkpoint
   from bov_jax import spec as spec_lib
   from bov_jax import train
@@ -83,8 +114,7 @@ def run(mode: str, cfg, workdir: str | None) -> int:
     from bov_jax import run as run_lib
     run_lib.use_compile_cache(spec.train.compile_cache_dir)
     if mode == "train":
-      train.train(spec, workdir)
-      return 0
+      return train.PREEMPTED_EXIT if train.train(spec, workdir).get("preempted") else 0
     checkpoint.adopt_config(workdir, cfg, write=False)  # refuses what cannot restore
     _print_json(modes.evaluate(spec, workdir) if mode == "eval" else modes.sample(spec, workdir))
     return 0
@@ -102,10 +132,9 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   cfg = config_for(_MODE.value, _WORKDIR.value, _CONFIG.value, _CONFIG.present, sys.argv)
-  if _MODE.value != "plan" and (_DISTRIBUTED.value == "true" or
-                                (_DISTRIBUTED.value == "auto" and _multi_host_env())):
-    import jax
-    jax.distributed.initialize()
+  dist = distributed_settings() if _MODE.value != "plan" else None
+  if dist is not None:
+    start_distributed(dist)
   sys.exit(run(_MODE.value, cfg, _WORKDIR.value))
 
 

@@ -25,7 +25,7 @@ def restore(spec, workdir: str, mesh):
   restored = ckpt_lib.Checkpoints(workdir, async_save=False).restore(abstract, log=log)
   if restored is None:
     raise FileNotFoundError(f"no checkpoint under {ckpt_lib.checkpoint_dir(workdir)}")
-  return restored[0], graphdef, restored[1]
+  return restored.step, graphdef, restored.params
 
 
 def run_core(spec, graphdef, params, tok) -> dict:

@@ -51,7 +51,7 @@ def coefficients(workdir: str) -> dict:
       nnx.to_pure_dict(nnx.state(abstract)))
   if restored is None:
     raise FileNotFoundError(f"no checkpoint under {checkpoint.checkpoint_dir(workdir)}")
-  step, params = restored[0], restored[1]
+  step, params = restored.step, restored.params
   model = nnx.merge(nnx.graphdef(abstract), params)
   out = {}
   for i, block in enumerate(model.blocks):

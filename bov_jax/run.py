@@ -61,6 +61,9 @@ def tokenizer(spec, workdir: str | None, train_split=None) -> tok_lib.Tokenizer:
   vocab = spec.model.vocab_size
   here = f"{workdir.rstrip('/')}/{TOKENIZER_DIR}" if workdir else None
   have = bool(here) and (epath.Path(here) / tok_lib.PICKLE).exists()
+  if jax.process_count() > 1:  # process 0's view, before it may write one
+    from jax.experimental import multihost_utils
+    have = bool(multihost_utils.broadcast_one_to_all(have))
   if spec.data.tokenizer:
     tok = tok_lib.checked(tok_lib.load(spec.data.tokenizer), spec.data.tokenizer, vocab)
     if here and not have and is_main():
@@ -68,7 +71,8 @@ def tokenizer(spec, workdir: str | None, train_split=None) -> tok_lib.Tokenizer:
     return tok
   if have:
     return tok_lib.checked(tok_lib.load(here), here, vocab)
-  if train_split is None or (workdir and (epath.Path(workdir) / "checkpoints").exists()):
+  from bov_jax import checkpoint as ckpt_lib
+  if train_split is None or (workdir and ckpt_lib.saved_steps(workdir)):
     raise tok_lib.TokenizerError(
         f"--workdir={workdir} has no {TOKENIZER_DIR}/{tok_lib.PICKLE} (the run's tokenizer); "
         "give the one its weights were trained with: --config.data.tokenizer=PATH, or "

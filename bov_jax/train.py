@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import signal
-import sys
 import time
 
 import jax
@@ -25,30 +23,19 @@ from bov_jax import inference
 from bov_jax import metrics
 from bov_jax import optim
 from bov_jax import plan
+from bov_jax import preemption as preemption_lib
 from bov_jax import run as run_lib
 from bov_jax import sharding
 from bov_jax import step as step_lib
 from bov_jax.run import log
 
-PREEMPTED_EXIT = 143  # SIGTERM: checkpointed; the same command resumes
+# Exit code of a run stopped by a preemption after its checkpoint: the same command
+# resumes it (sysexits' EX_TEMPFAIL, "try again"; 0 is done, 1 failed, 2 bad input).
+PREEMPTED_EXIT = 75
 
 
 class TrainError(RuntimeError):
   pass
-
-
-class _Stop:
-  """SIGTERM sets a flag; the loop checkpoints and exits at the next step boundary."""
-
-  def __init__(self):
-    self.requested = False
-    try:
-      signal.signal(signal.SIGTERM, self._handle)
-    except ValueError:  # not the main thread
-      pass
-
-  def _handle(self, *_):
-    self.requested = True
 
 
 @dataclasses.dataclass
@@ -57,6 +44,7 @@ class _Pending:
   step: int
   out: dict
   data_wait_s: float
+  stop: object  # the agreed preemption flag of this step (preemption.py)
 
 
 def train(spec, workdir: str | None) -> dict:
@@ -83,15 +71,19 @@ class _Loop:
     self.n, self.fpt = n, fpt
     t = spec.train
     self.layout = trainer.layout
-    T = spec.model.sequence_len
-    windows = data_lib.TrainWindows(train_split, tok, t.seed, jax.process_index(),
-                                    jax.process_count())
-    self.it = data_lib.train_batches(windows, T + 1, self.layout.local_rows)
+    self.train_split = train_split
+    self.it = self._batches(t.seed)
     self.evaluator = bpb.Evaluator(spec, mesh, trainer.eval_step, val_split, tok,
                                    self.layout.local_rows)
     self.ckpts = ckpt_lib.Checkpoints(workdir, keep=t.keep_checkpoints) if workdir else None
     self.params, self.opt_state = trainer.params, trainer.opt_state
     self.tput = metrics.Throughput(t.batch_tokens, fpt, metrics.peak_flops() * jax.device_count())
+
+  def _batches(self, seed: int):
+    windows = data_lib.TrainWindows(self.train_split, self.tok, seed, jax.process_index(),
+                                    jax.process_count())
+    return data_lib.train_batches(windows, self.spec.model.sequence_len + 1,
+                                  self.layout.local_rows)
 
   def _load(self):
     """The next step's global batch [accum, rows, T] (inputs, targets), and the seconds
@@ -124,7 +116,9 @@ class _Loop:
     if self.ckpts is not None:
       restored = self.ckpts.restore(self.params, self.opt_state, self.it, log=log)
       if restored is not None:
-        step, self.params, self.opt_state, _ = restored
+        step, self.params, self.opt_state = restored.step, restored.params, restored.opt_state
+        if not restored.data_restored:  # saved by another number of processes: a new order
+          self.it = self._batches(seed=self.spec.train.seed + 1_000_003 * step)
         log(f"resumed from {ckpt_lib.checkpoint_dir(self.workdir)}/{step}")
     self.writer = metrics.Writer(self.workdir, step, spec.log, json.loads(spec.config_json))
     log(f"bov_jax: {spec.model.describe()} | {self.n} steps x {t.batch_tokens:,} tokens "
@@ -135,39 +129,43 @@ class _Loop:
       self.last = {"step": 0, "val_bpb": self.evaluator(self.params), "tokens": 0}
       self.writer.write(self.last)
       log(f"step 0 | val_bpb {self.last['val_bpb']:.4f}")
-    stop = _Stop()
+    preemption = preemption_lib.Preemption(self.mesh)
+    self.stop = False  # agreed: stop after the next step boundary (set by _finish)
     self.first, self.t_compile = step + 1, time.perf_counter()
     batch, wait = self._load()
     pending = None
     while step < self.n:
       self.params, self.opt_state, out = self.trainer.train_step(self.params, self.opt_state,
                                                                  *batch)
+      flag = preemption.dispatch()
       step += 1
       if pending is not None:  # the previous step: done, or finishing as this one starts
         self._finish(pending)
-      pending = _Pending(step, out, wait)
+      pending = _Pending(step, out, wait, flag)
+      stop = self.stop or preemption.maintenance(step)
       save = self.ckpts is not None and (step % t.checkpoint_every == 0 or step == self.n
-                                         or stop.requested)
+                                         or stop)
       if step < self.n and not save:
         batch, wait = self._load()  # while the device runs this step
       evaluate = step % t.eval_every == 0 or step == self.n
       core = bool(spec.eval.core_bundle) and spec.eval.core_every > 0 and (
           step % spec.eval.core_every == 0 or step == self.n)
-      if (save or evaluate or core or stop.requested or step == self.first
+      if (save or evaluate or core or stop or step == self.first
           or step % t.log_every == 0):
         self._finish(pending, log_it=True, evaluate=evaluate, core=core)
         pending = None
       if save:
         self.ckpts.save(step, self.params, self.opt_state, self.it,
                         {"step": step, "train_loss": self.last.get("train_loss")},
-                        force=stop.requested or step == self.n)
-        if step < self.n and not stop.requested:
+                        force=stop or step == self.n)
+        if step < self.n and not stop:
           batch, wait = self._load()
-      if stop.requested:
+      if stop:
         self.ckpts and self.ckpts.close()
         self.writer.close()
-        log(f"SIGTERM: checkpointed step {step}; exiting")
-        sys.exit(PREEMPTED_EXIT)
+        log(f"preempted: checkpointed step {step}; exiting with code {PREEMPTED_EXIT} "
+            "(run the same command to resume)")
+        return dict(self.last, preempted=True)
     if self.ckpts is not None:
       self.ckpts.close()
     self.writer.close()
@@ -181,6 +179,7 @@ class _Loop:
     """Reads a dispatched step's outputs; with log_it, evaluates as asked and writes the
     record (tokens/s and MFU over the steps since the last one written)."""
     record = self._record(p)
+    self.stop = self.stop or bool(p.stop)
     if p.step == self.first:
       record["compile_s"] = time.perf_counter() - self.t_compile  # compile + one step
       self.tput.begin()

@@ -85,14 +85,14 @@ def test_restore_parameters_alone_and_fall_back_past_a_corrupt_step(tmp_path):
     ckpts.save(step, jax.tree.map(lambda x: x * step, params), meta={"step": step})
   ckpts.close()
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  step, got, opt, meta = checkpoint.Checkpoints(wd).restore(abstract)
+  step, got, opt, meta, _ = checkpoint.Checkpoints(wd).restore(abstract)
   assert step == 2 and opt is None and meta == {"step": 2}
   np.testing.assert_array_equal(np.asarray(got["w"]), 2 * np.arange(6.0).reshape(2, 3))
   for p in (tmp_path / "run" / "checkpoints" / "2" / "params").rglob("*"):
     if p.is_file():
       p.write_bytes(b"garbage")
   logged = []
-  step, got, _, _ = checkpoint.Checkpoints(wd).restore(abstract, log=logged.append)
+  step, got, _, _, _ = checkpoint.Checkpoints(wd).restore(abstract, log=logged.append)
   assert step == 1 and "checkpoints/2 is unreadable" in logged[0]
   for p in (tmp_path / "run" / "checkpoints" / "1" / "params").rglob("*"):
     if p.is_file():

@@ -103,7 +103,7 @@ def test_convert_command_writes_a_loadable_checkpoint(tmp_path):
   assert json.loads(out.stdout.strip().splitlines()[-1])["checkpoint"].endswith("123")
   cfg = checkpoint.read_config(str(tmp_path / "run"))
   abstract = model_lib.abstract(model_spec(cfg))
-  step, params, _, _ = checkpoint.Checkpoints(str(tmp_path / "run")).restore(
+  step, params, _, _, _ = checkpoint.Checkpoints(str(tmp_path / "run")).restore(
       nnx.to_pure_dict(nnx.state(abstract)))
   assert step == 123
   fresh = nnx.merge(nnx.graphdef(abstract), params)

@@ -51,7 +51,7 @@ def test_corpus_errors_are_named(tmp_path):
 
 
 def test_every_nth_split_is_fixed_and_process_shares_are_disjoint():
-  c = corpus._blocks([f"doc {i}" for i in range(2103)])
+  c = corpus.from_documents([f"doc {i}" for i in range(2103)])
   train, val = corpus.split(c, "auto", 10, n_files=0)
   assert list(val.documents()) == [f"doc {i}" for i in range(0, 2103, 10)]
   shares = [list(train.documents(p, 4)) for p in range(4)]
@@ -68,7 +68,7 @@ def test_last_shard_is_the_validation_split(tmp_path):
   assert sorted(d for g in train.groups for d in train.group_docs(int(g))[1]) == sorted(
       f"s{k} r{i}" for k in range(2) for i in range(4))
   with pytest.raises(corpus.DataError, match=r"data\.val_split='last_shard' needs two or more"):
-    corpus.split(corpus._blocks(["a", "b"]), "last_shard", 20, n_files=1)
+    corpus.split(corpus.from_documents(["a", "b"]), "last_shard", 20, n_files=1)
 
 
 def test_download_fetches_what_is_missing_and_the_validation_shard(tmp_path):

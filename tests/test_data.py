@@ -80,7 +80,7 @@ def tok():
 
 
 def _split(n_docs=9000, val_every=10):
-  c = corpus._blocks([f"document {i} " + "word " * (i % 37) for i in range(n_docs)])
+  c = corpus.from_documents([f"document {i} " + "word " * (i % 37) for i in range(n_docs)])
   return corpus.split(c, "every_nth", val_every, n_files=0)
 
 

@@ -1,0 +1,144 @@
+"""Several processes on this host (two processes of two CPU devices each, gloo collectives,
+a coordinator on a free port), against one process of four devices: the step, the data
+each reads, who writes, checkpoints across process counts, and preemption every process
+agrees on. `pytest -k multiprocess` runs these."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--config=configs/tiny.py", "--config.model.n_layer=2", "--config.model.n_embd=64",
+        "--config.model.sequence_len=64", "--config.model.short_window=32",
+        "--config.model.vocab_size=512", "--config.train.device_batch_size=4",
+        "--config.train.batch_tokens=1024",
+        "--config.train.eval_tokens=2048",
+        "--config.train.eval_every=100", "--config.train.checkpoint_every=100",
+        "--config.train.log_every=1", "--config.train.sample_tokens=0"]
+
+
+def _port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _env(devices: int) -> dict:
+  return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+              JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+
+
+def _start(args, n: int, port: int, module="bov_jax.main"):
+  """n processes of one command line (process i: JAX_PROCESS_ID=i), two devices each."""
+  procs = []
+  for i in range(n):
+    env = dict(_env(2), JAX_PROCESS_ID=str(i))
+    extra = [f"--coordinator_address=localhost:{port}", f"--num_processes={n}"]
+    procs.append(subprocess.Popen([sys.executable, "-m", module, *args, *extra], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  cwd=ROOT))
+  return procs
+
+
+def _finish(procs, timeout=300):
+  outs = [p.communicate(timeout=timeout) for p in procs]
+  return [p.returncode for p in procs], [o for o, _ in outs], [e for _, e in outs]
+
+
+def _one(args, devices=4, timeout=300):
+  return subprocess.run([sys.executable, "-m", "bov_jax.main", *args], env=_env(devices),
+                        capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+
+
+def _metrics(wd):
+  with open(os.path.join(wd, "metrics.jsonl")) as f:
+    return [json.loads(l) for l in f if l.strip()]
+
+
+def test_multiprocess_step_and_data_equal_one_process():
+  """A train step fed the same global batch: two processes of two devices give the loss
+  and parameters of one process of four (1e-5); each process reads its own row groups."""
+  port = _port()
+  procs = [subprocess.Popen([sys.executable, "-m", "tests.mp_step", "2", str(i), str(port)],
+                            env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT) for i in range(2)]
+  one = subprocess.run([sys.executable, "-m", "tests.mp_step", "1", "0", "0"], env=_env(4),
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+  codes, outs, errs = _finish(procs)
+  assert codes == [0, 0] and one.returncode == 0, (errs[0][-2000:], one.stderr[-2000:])
+  got = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+  want = json.loads(one.stdout.strip().splitlines()[-1])
+  assert [g["process"] for g in got] == [0, 1] and all(g["devices"] == 4 for g in got)
+  for g in got:
+    assert g["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    for k, v in want["params"].items():
+      assert g["params"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+  a, b = set(got[0]["groups"]), set(got[1]["groups"])
+  assert a and b and not a & b and len(a | b) == want["all_groups"]  # disjoint, together all
+  assert set(want["groups"]) == a | b
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+  """A small corpus and one tokenizer for every run here (each would train the same one)."""
+  from bov_jax import corpus
+  from bov_jax import tokenizer as tok_lib
+  d = tmp_path_factory.mktemp("data")
+  docs = corpus.embedded_documents()[:3000]
+  (d / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+  tok_lib.train(tok_lib.training_texts(docs, 2_000_000), 512).save(str(d / "tok"))
+  return [f"--config.data.tokenizer={d}/tok", f"--config.data.corpus={d}/corpus.jsonl"]
+
+
+def test_multiprocess_training_checkpoints_across_process_counts_and_preemption(tmp_path,
+                                                                               tokenizer):
+  two, one, pre = (str(tmp_path / n) for n in ("two", "one", "pre"))
+  steps = ["--config.train.num_iterations=12", *tokenizer]
+  # two processes train, as one command line each; only process 0 writes and prints
+  codes, outs, errs = _finish(_start([f"--workdir={two}", *TINY, *steps], 2, _port()))
+  assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+  assert "step 12/12" in outs[0] and "step" not in outs[1]
+  m2 = _metrics(two)
+  assert [r["step"] for r in m2] == list(range(13))  # one line per step, not one per process
+  events = [f for f in os.listdir(two) if f.startswith("events.out.tfevents")]
+  assert len(events) == 1
+  assert os.listdir(os.path.join(two, "checkpoints")) == ["12"]
+  # one process of four devices: validation bpb within noise of the two-process run
+  out = _one([f"--workdir={one}", *TINY, *steps])
+  assert out.returncode == 0, out.stderr[-3000:]
+  m1 = _metrics(one)
+  assert m1[-1]["val_bpb"] == pytest.approx(m2[-1]["val_bpb"], rel=0.03)
+  # the two-process checkpoint resumes in one process, and the one-process one in two
+  more = ["--config.train.num_iterations=14", *tokenizer]
+  out = _one([f"--workdir={two}", *TINY, *more])
+  assert out.returncode == 0 and "resumed from" in out.stdout, out.stderr[-3000:]
+  assert _metrics(two)[-1]["step"] == 14
+  codes, outs, errs = _finish(_start([f"--workdir={one}", *TINY, *more], 2, _port()))
+  assert codes == [0, 0] and "resumed from" in outs[0], errs[0][-3000:]
+  assert _metrics(one)[-1]["step"] == 14
+  # SIGTERM to process 1 alone: both stop after the same step, one checkpoint, exit 75
+  procs = _start([f"--workdir={pre}", *TINY, *steps], 2, _port())
+  for line in procs[0].stdout:
+    if line.startswith("step 2/"):
+      procs[1].send_signal(signal.SIGTERM)
+      t0 = time.time()
+      break
+  codes, outs, errs = _finish(procs)
+  assert codes == [75, 75], errs[0][-2000:] + errs[1][-2000:]
+  (saved,) = os.listdir(os.path.join(pre, "checkpoints"))
+  stopped = int(saved)
+  assert f"preempted: checkpointed step {stopped}" in outs[0]
+  assert 2 < stopped <= 2 + 3  # within the step in flight and the next (read one step late)
+  print(f"stopped at step {stopped}, {time.time() - t0:.1f} s after the signal")
+  # the same command resumes, and the losses are the uninterrupted run's
+  codes, outs, errs = _finish(_start([f"--workdir={pre}", *TINY, *steps], 2, _port()))
+  assert codes == [0, 0] and f"checkpoints/{stopped}" in outs[0], errs[0][-3000:]
+  want = {r["step"]: r for r in m2}
+  for r in _metrics(pre):
+    if "train_loss" in r:
+      assert r["train_loss"] == pytest.approx(want[r["step"]]["train_loss"], rel=1e-5), r["step"]
