@@ -102,6 +102,29 @@ def finished(workdir: str) -> bool:
   return (epath.Path(workdir) / "DONE").exists()
 
 
+def run_logged(argv: list[str], workdir: str, every_s: float = 30.0) -> int:
+  """Runs a point, echoing its output and adding it to WORKDIR/log.HOST.txt every
+  `every_s` seconds and at the end (a bucket workdir too), so a detached sweep's logs stay
+  with its runs. Returns the exit code."""
+  import socket
+  import time
+  from bov_jax import storage
+  log = f"{workdir.rstrip('/')}/log.{socket.gethostname()}.txt"
+  if not storage.is_remote(log):
+    os.makedirs(workdir, exist_ok=True)
+  proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  buf, last = [], time.monotonic()
+  for line in proc.stdout:
+    print(line, end="", flush=True)
+    buf.append(line)
+    if time.monotonic() - last > every_s:
+      storage.append_text(log, "".join(buf))
+      buf, last = [], time.monotonic()
+  if buf:
+    storage.append_text(log, "".join(buf))
+  return proc.wait()
+
+
 def _define_flags():
   """The command's flags, defined only when it runs as a command: sweep files import
   this module for its helpers, and a second definition would clash."""
@@ -136,7 +159,7 @@ def main(argv) -> int:
       print(f"[sweep] {name}: finished, skipping", flush=True)
       continue
     print(f"[sweep] {name}: {shlex.join(argv)}", flush=True)
-    rc = subprocess.call([sys.executable] + argv[1:])
+    rc = run_logged([sys.executable] + argv[1:], workdir)
     if rc != 0:
       print(f"[sweep] {name} failed with exit code {rc}", file=sys.stderr)
       return rc

@@ -1,27 +1,41 @@
 #!/usr/bin/env bash
-# Cloud TPU pods for bov_jax: create, set up, run, sweep, watch, delete.
+# Cloud TPU pods for bov_jax: create, set up, run, watch, sweep, delete.
 #
 #   bash launch/tpu.sh create                        # queued resource (spot/reserved/on-demand)
 #   bash launch/tpu.sh setup                         # copy this checkout's code, install the runtime set
-#   bash launch/tpu.sh run --config=configs/bov_780m.py [--config.x=y ...]
-#   bash launch/tpu.sh sweep --sweep=configs/sweeps/table2.py
+#   bash launch/tpu.sh run --config=configs/bov_780m.py [--config.x=y ...]   # start it, detached
+#   bash launch/tpu.sh watch --config=configs/bov_780m.py [--config.x=y ...] # keep it going
+#   bash launch/tpu.sh sweep --sweep=configs/sweeps/table2.py               # detached, in turn
 #   bash launch/tpu.sh logs | ssh [COMMAND] | delete
+#
+# `watch` follows a run until WORKDIR/DONE exists: when the queued resource is preempted
+# (or fails, or is gone) it deletes and re-creates it, waits for capacity, sets the new
+# workers up and starts the same command; when the run exits with code 75 (preempted,
+# checkpointed) it starts the same command again. Either way the run resumes from its
+# last checkpoint. Any other exit code stops it with the log's path.
 #
 # Settings (environment):
 #   PROJECT, ZONE, TPU_NAME, ACCELERATOR_TYPE (e.g. v5p-64, v4-32)   required
-#   WORKDIR            run directory, a gs:// bucket path on pods  (run, sweep)
+#   WORKDIR            run directory, a gs:// bucket path on pods  (run, watch, sweep)
 #   RUNTIME_VERSION    TPU VM image       (default: tpu-ubuntu2204-base)
 #   PROVISIONING       spot | reserved | on-demand                  (default: spot)
 #   REMOTE_DIR         checkout location on the workers             (default: bov_jax)
-#   DRY_RUN=1          print every gcloud command instead of running it
+#   POLL_SECONDS       how often `watch` looks                      (default: 60)
+#   DRY_RUN=1          print every gcloud command instead of running it; `watch` then
+#                      takes what gcloud would have answered from DRY_RUN_STATES (queued
+#                      resource states, one per look), DRY_RUN_EXIT_CODES (the run's exit
+#                      code per look, "-" while it runs) and DRY_RUN_DONE (yes/no per look)
 set -euo pipefail
 
 RUNTIME_VERSION="${RUNTIME_VERSION:-tpu-ubuntu2204-base}"
 PROVISIONING="${PROVISIONING:-spot}"
 REMOTE_DIR="${REMOTE_DIR:-bov_jax}"
+POLL_SECONDS="${POLL_SECONDS:-60}"
+PREEMPTED_EXIT=75  # bov_jax.train.PREEMPTED_EXIT
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 die() { echo "launch/tpu.sh: $*" >&2; exit 2; }
+say() { echo "launch/tpu.sh: $*" >&2; }
 
 need() {
   local name
@@ -46,6 +60,24 @@ run_cmd() {
     printf '\n'
   else
     "$@"
+  fi
+}
+
+# Runs a query and sets ANSWER to its output; with DRY_RUN=1 prints it and takes the next
+# word of the named DRY_RUN_* list instead.
+LOOK=0
+query() {  # query SIMULATION_VARIABLE COMMAND...
+  local sim="$1"
+  shift
+  if [ "${DRY_RUN:-0}" = "1" ]; then
+    printf '%q ' "$@"
+    printf '\n'
+    local -a answers
+    read -r -a answers <<< "${!sim:-}"
+    ANSWER="${answers[$LOOK]:-${answers[${#answers[@]}-1]:-}}"
+    if [ "$ANSWER" = "-" ]; then ANSWER=""; fi
+  else
+    ANSWER="$("$@" 2>/dev/null || true)"
   fi
 }
 
@@ -89,32 +121,86 @@ cmd_setup() {
 }
 
 main_command() {  # the training command line every worker runs
-  printf 'cd ~/%s && python3 -m bov_jax.main --workdir=%q%s' "$REMOTE_DIR" "$WORKDIR" \
-    "$(quote_args "$@")"
+  printf 'python3 -m bov_jax.main --workdir=%q%s' "$WORKDIR" "$(quote_args "$@")"
 }
 
 cmd_run() {
   need PROJECT ZONE TPU_NAME WORKDIR
   [ $# -gt 0 ] || die "run needs --config=FILE (and optional --config.* overrides)"
-  # the log stays in the remote checkout (the command has cd'd there)
-  tpu_ssh all "$(main_command "$@") > bov_jax_run.log 2>&1 &"
+  # Detached on every worker (a closed laptop loses nothing); each worker keeps its log
+  # and, when the run ends, its exit code (75: preempted, run it again).
+  tpu_ssh all "cd ~/$REMOTE_DIR && rm -f ~/bov_jax_exit_code && nohup bash -c '$(main_command "$@"); echo \$? > ~/bov_jax_exit_code' > ~/bov_jax_run.log 2>&1 &"
+}
+
+qr_state() {  # sets ANSWER: the queued resource's state (empty if there is none)
+  query DRY_RUN_STATES gcloud compute tpus queued-resources describe "${TPU_NAME}-qr" \
+    --project="$PROJECT" --zone="$ZONE" --format='value(state.state)'
+}
+
+run_exit_code() {  # sets ANSWER: worker 0's exit code of the run, empty while it runs
+  query DRY_RUN_EXIT_CODES gcloud compute tpus tpu-vm ssh "$TPU_NAME" --project="$PROJECT" \
+    --zone="$ZONE" --worker=0 --command="cat ~/bov_jax_exit_code 2>/dev/null"
+}
+
+workdir_done() {  # sets ANSWER to yes when WORKDIR/DONE exists
+  query DRY_RUN_DONE gcloud storage ls "${WORKDIR%/}/DONE"
+  case "$ANSWER" in ""|no) ANSWER=no;; *) ANSWER=yes;; esac
+}
+
+cmd_watch() {
+  need PROJECT ZONE TPU_NAME ACCELERATOR_TYPE WORKDIR
+  [ $# -gt 0 ] || die "watch needs --config=FILE (and optional --config.* overrides)"
+  local fresh=0  # workers that still need the code and a run
+  while true; do
+    workdir_done
+    if [ "$ANSWER" = yes ]; then
+      say "$WORKDIR/DONE exists: the run is finished"
+      return 0
+    fi
+    qr_state
+    case "$ANSWER" in
+      ACTIVE)
+        if [ "$fresh" = 1 ]; then
+          cmd_setup
+          cmd_run "$@"
+          fresh=0
+        else
+          run_exit_code
+          case "$ANSWER" in
+            "") ;;  # still running
+            0) ;;   # finished: DONE is being written
+            "$PREEMPTED_EXIT")
+              say "the run was preempted and checkpointed: starting it again (it resumes)"
+              cmd_run "$@";;
+            *) die "the run exited with code $ANSWER; its log: ~/bov_jax_run.log on each worker (bash launch/tpu.sh logs)";;
+          esac
+        fi;;
+      PREEMPTED|SUSPENDED|FAILED|"")
+        say "queued resource ${TPU_NAME}-qr is ${ANSWER:-gone}: re-creating it"
+        [ -n "$ANSWER" ] && cmd_delete
+        cmd_create
+        fresh=1;;
+      *) say "queued resource ${TPU_NAME}-qr is $ANSWER: waiting for capacity";;
+    esac
+    LOOK=$((LOOK + 1))
+    [ "${DRY_RUN:-0}" = "1" ] || sleep "$POLL_SECONDS"
+  done
 }
 
 cmd_sweep() {
   need PROJECT ZONE TPU_NAME WORKDIR
   [ $# -gt 0 ] || die "sweep needs --sweep=FILE"
-  local points line
-  points="$(cd "$HERE" && python3 -m bov_jax.sweep "$@" --print --workdir_root="$WORKDIR")"
-  # One run per sweep point, one after another on the whole pod.
-  while IFS= read -r line; do
-    [ -n "$line" ] || continue
-    tpu_ssh all "cd ~/$REMOTE_DIR && ${line/python -m/python3 -m} >> bov_jax_sweep.log 2>&1"
-  done <<< "$points"
+  (cd "$HERE" && python3 -m bov_jax.sweep "$@" --print --workdir_root="$WORKDIR" >/dev/null) ||
+    die "the sweep file does not load (python3 -m bov_jax.sweep $* --print)"
+  # One detached job on every worker runs the points in turn (each point uses the whole
+  # pod), skipping finished ones, so running it again resumes the sweep; each point's
+  # output goes to its run directory (log.txt).
+  tpu_ssh all "cd ~/$REMOTE_DIR && nohup python3 -m bov_jax.sweep$(quote_args "$@") --local --workdir_root=$(printf '%q' "$WORKDIR") > ~/bov_jax_sweep.log 2>&1 &"
 }
 
 cmd_logs() {
   need PROJECT ZONE TPU_NAME
-  tpu_ssh 0 "tail -n 100 -f ~/$REMOTE_DIR/bov_jax_run.log"
+  tpu_ssh 0 "tail -n 100 -f ~/bov_jax_run.log"
 }
 
 cmd_ssh() {
@@ -134,7 +220,7 @@ cmd_delete() {
 }
 
 usage() {
-  sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
 sub="${1:-}"
@@ -143,11 +229,12 @@ case "$sub" in
   create) cmd_create "$@";;
   setup) cmd_setup "$@";;
   run) cmd_run "$@";;
+  watch) cmd_watch "$@";;
   sweep) cmd_sweep "$@";;
   logs) cmd_logs "$@";;
   ssh) cmd_ssh "$@";;
   delete) cmd_delete "$@";;
   -h|--help|help) usage;;
   "") usage; exit 2;;
-  *) die "unknown subcommand '$sub' (create, setup, run, sweep, logs, ssh, delete)";;
+  *) die "unknown subcommand '$sub' (create, setup, run, watch, sweep, logs, ssh, delete)";;
 esac

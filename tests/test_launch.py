@@ -74,3 +74,44 @@ def test_setup_copies_code_only_and_installs_the_runtime_set():
   assert "--recurse" not in out.stdout and "bov_jax_code.tgz" in out.stdout
   assert "'.[tpu]'" in out.stdout or ".\\[tpu\\]" in out.stdout
   assert "dev" not in out.stdout and "requirements.txt" not in out.stdout
+
+
+def _commands(out):
+  return [l for l in out.stdout.splitlines() if l.strip()]
+
+
+def test_watch_recovers_a_preempted_queued_resource_and_a_preempted_run():
+  """A simulated cycle: the queued resource is preempted (delete, re-create, wait, set the
+  new workers up, start the same command, which resumes), then the run itself exits with
+  the preempted code (start it again), then DONE appears and watch stops."""
+  out = _tpu("watch", "--config=configs/bov_780m.py", "--config.train.seed=1",
+             DRY_RUN_STATES="PREEMPTED WAITING_FOR_RESOURCES ACTIVE ACTIVE ACTIVE ACTIVE",
+             DRY_RUN_EXIT_CODES="- - - - 75 -", DRY_RUN_DONE="no no no no no no yes")
+  assert out.returncode == 0, out.stderr
+  cmds = _commands(out)
+  kinds = []
+  for c in cmds:
+    for key, kind in (("queued-resources describe", "describe"), ("queued-resources delete", "delete"),
+                      ("queued-resources create", "create"), ("tpu-vm scp", "setup"),
+                      ("bov_jax.main", "run"), ("cat\\ ~/bov_jax_exit_code", "exit_code"),
+                      ("storage ls", "done?")):
+      if key in c:
+        kinds.append(kind)
+        break
+  assert kinds == ["done?", "describe", "delete", "create",           # preempted: re-create
+                   "done?", "describe",                                # waiting for capacity
+                   "done?", "describe", "setup", "run",                # new workers: set up, run
+                   "done?", "describe", "exit_code",                   # running
+                   "done?", "describe", "exit_code", "run",            # exit 75: run again
+                   "done?", "describe", "exit_code",
+                   "done?"], kinds                                     # DONE: stop
+  runs = [c for c in cmds if "bov_jax.main" in c]
+  assert len(set(runs)) == 1 and "--config.train.seed=1" in runs[0]  # the same command
+  assert "gs://bucket/runs/bov780m" in runs[0] and "nohup" in runs[0]
+  assert "DONE exists" in out.stderr and "preempted and checkpointed" in out.stderr
+
+
+def test_watch_stops_on_a_failed_run():
+  out = _tpu("watch", "--config=configs/bov_780m.py", DRY_RUN_STATES="ACTIVE",
+             DRY_RUN_EXIT_CODES="1", DRY_RUN_DONE="no")
+  assert out.returncode == 2 and "exited with code 1" in out.stderr

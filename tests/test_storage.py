@@ -65,6 +65,8 @@ def test_a_tiny_run_lives_in_the_bucket(gcs, tmp_path):
                  "checkpoints/12"):
       assert fs.exists(f"{root}/{part}"), f"{root}/{part}"
     assert fs.glob(f"{root}/events.out.tfevents.*")
+    (log,) = fs.glob(f"{root}/log.*.txt")  # the point's output, kept with its run
+    assert "step 12/12" in fs.cat(log).decode()
   # the same run killed (SIGKILL) mid-way and restarted resumes to the same losses
   args = ["--config=configs/tiny.py", "--workdir=gs://bov/killed",
           "--config.model.value.preset=gpt_base_v_from_value_emb_learn", *TINY]
