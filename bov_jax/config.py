@@ -54,6 +54,9 @@ def base_config() -> ml_collections.ConfigDict:
   m.short_window = 0          # 0: the reference's rule, ceil((T // 4) / 128) * 128
   m.dtype = "float32"         # compute dtype (bfloat16 on accelerators)
   m.param_dtype = "float32"   # master weights
+  m.embedding_dtype = "auto"  # the token embedding and the value tables, with their
+                              # gradients and Adam moments: auto (bfloat16 under bfloat16
+                              # compute, as the reference stores them; else param_dtype)
   m.loss_chunk = 0            # rows per cross-entropy chunk (kernels/loss.py); 0: 256 on
                               # CPU (cache-sized chunks), 2048 elsewhere
   m.table_lookup = "auto"     # auto | shard_map | gather | one_hot (sharding.py)
@@ -100,6 +103,9 @@ def base_config() -> ml_collections.ConfigDict:
                               # reference; float32 accumulation) | float32 | bfloat16
   o.polar_gram = "auto"       # float32 Gram-space Polar Express for matrices of aspect
                               # >= 1.5: auto (on CPU) | true | false
+  o.muon_update_dtype = "auto"  # Muon's final update lr*X + lr*wd*p*mask computed in:
+                              # auto (bfloat16 under bfloat16 compute, as the reference)
+                              # | float32 | bfloat16
 
   c.data = d = ml_collections.ConfigDict()
   d.corpus = "embedded"       # embedded | a path or gs:// URL (text, JSONL, Parquet) or glob
@@ -112,6 +118,8 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.eval = e = ml_collections.ConfigDict()
   e.core_bundle = ""          # a DCLM/nanochat eval bundle directory ("" = no CORE)
+  e.core_config = ""          # the task list ("" = the authors' 21 tasks, core_tasks.yaml;
+                              # a bundle's own: DIR/core.yaml)
   e.core_max_per_task = -1    # items per task (-1 = all)
   e.core_every = 0            # CORE every N training steps and at the end (0 = never)
 
@@ -209,11 +217,13 @@ def validate(cfg) -> None:
   _choice("model.table_lookup", m.table_lookup, TABLE_LOOKUPS)
   for name in ("dtype", "param_dtype"):
     _choice(f"model.{name}", m[name], DTYPES)
+  _choice("model.embedding_dtype", m.embedding_dtype, ("auto",) + DTYPES)
   if m.loss_chunk < 0:
     raise ConfigError(f"model.loss_chunk={m.loss_chunk}: expected >= 0 (0 = by backend)")
   if m.short_window < 0:
     raise ConfigError(f"model.short_window={m.short_window}: expected >= 0 (0 = reference rule)")
   _choice("optim.polar_dtype", cfg.optim.polar_dtype, POLAR_DTYPES)
+  _choice("optim.muon_update_dtype", cfg.optim.muon_update_dtype, POLAR_DTYPES)
   for name in ("muon_batched", "polar_gram"):
     _choice(f"optim.{name}", cfg.optim[name], TRISTATE)
   t = cfg.train
@@ -236,6 +246,7 @@ def validate(cfg) -> None:
 FIXED_ON_RESUME = (
     "model.n_layer", "model.n_embd", "model.n_head", "model.n_kv_head", "model.sequence_len",
     "model.vocab_size", "model.window_pattern", "model.short_window", "model.param_dtype",
+    "model.embedding_dtype",
     "model.value", "data.corpus", "data.val_split", "data.val_every", "data.tokenizer",
     "train.seed", "train.batch_tokens",
 )

@@ -1,8 +1,10 @@
 """CORE (the DCLM tasks, as the reference's core_eval.py scores them) on an eval bundle.
 
+The task list is the authors' (core_tasks.yaml beside this module, their repository's
+configs/core.yaml: 21 tasks), not the bundle's own core.yaml, unless eval.core_config
+names another file of the same form:
+  icl_tasks: [{label, dataset_uri, num_fewshot: [k], icl_task_type, continuation_delimiter?}]
 Bundle layout:
-  DIR/core.yaml               icl_tasks: [{label, dataset_uri, num_fewshot: [k],
-                              icl_task_type, continuation_delimiter?}]
   DIR/eval_meta_data.csv      columns "Eval Task", "Random baseline" (percent)
   DIR/eval_data/<dataset_uri> JSONL items:
       multiple_choice    {query, choices, gold}
@@ -14,9 +16,10 @@ seed, never the item itself) joined by blank lines, BOS in front. Multiple
 choice: the shared token prefix is the context; the choice with the lowest
 summed NLL per UTF-8 byte wins. Schema: the shared suffix is the continuation,
 same rule over contexts. LM: correct iff greedy decoding reproduces every
-continuation token. Prompts longer than the context are cut from the left.
-Scoring is one jitted function over [rows, length] buckets, so it compiles
-once per bucket, not per item.
+continuation token. Prompts are never cut: a prompt longer than model.sequence_len
+runs whole, at positions past it, as the reference runs it (its rotary table covers
+ten times the training length, and nothing truncates). Scoring is one jitted function
+over [rows, length] buckets, so it compiles once per bucket, not per item.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import csv
 import dataclasses
 import io
 import json
+import os
 import random
 
 import jax
@@ -56,13 +60,19 @@ class Task:
 
 # -- the bundle ------------------------------------------------------------------
 
-def load_bundle(bundle: str) -> list[Task]:
+AUTHORS_TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "core_tasks.yaml")
+
+
+def load_bundle(bundle: str, core_config: str = "") -> list[Task]:
+  """The tasks of `core_config` (default: the authors' 21) with the bundle's random
+  baselines; every task's data file is checked here, before anything is scored."""
   import yaml
-  yaml_path = epath.Path(bundle) / "core.yaml"
+  yaml_path = epath.Path(core_config or AUTHORS_TASKS)
   meta_path = epath.Path(bundle) / "eval_meta_data.csv"
-  for p in (yaml_path, meta_path):
-    if not p.exists():
-      raise BundleError(f"eval.core_bundle={bundle}: missing {p.name}")
+  if not yaml_path.exists():
+    raise BundleError(f"eval.core_config={core_config}: no such file")
+  if not meta_path.exists():
+    raise BundleError(f"eval.core_bundle={bundle}: missing {meta_path.name}")
   spec = yaml.safe_load(yaml_path.read_text()) or {}
   if "icl_tasks" not in spec:
     raise BundleError(f"{yaml_path}: expected a top-level 'icl_tasks' list")
@@ -86,6 +96,11 @@ def load_bundle(bundle: str) -> list[Task]:
       tasks.append(Task(label=label, dataset_uri=t["dataset_uri"], num_fewshot=int(k),
                         task_type=kind, delimiter=t.get("continuation_delimiter", " "),
                         random_baseline=baselines[t["label"]]))
+  for task in tasks:
+    path = epath.Path(bundle) / "eval_data" / task.dataset_uri
+    if not path.exists():
+      raise BundleError(f"eval.core_bundle={bundle}: task {task.label!r} needs {path}, "
+                        "which is missing")
   return tasks
 
 
@@ -156,34 +171,21 @@ def spans(task: Task, prompts: list[str], tok) -> Scored:
   return Scored([with_], [start], [len(with_)])
 
 
-def truncate_left(s: Scored, max_len: int) -> Scored:
-  """Cuts each row to its last max_len tokens, never through the continuation."""
-  tokens, starts, ends = [], [], []
-  for t, a, b in zip(s.tokens, s.starts, s.ends):
-    cut = max(0, len(t) - max_len)
-    if a - cut < 1:
-      raise BundleError(f"a continuation of {b - a} tokens does not fit a {max_len}-token "
-                        "context with at least one token before it")
-    tokens.append(t[cut:])
-    starts.append(a - cut)
-    ends.append(b - cut)
-  return Scored(tokens, starts, ends)
-
-
 # -- scoring -------------------------------------------------------------------------
 
-def _bucket(n: int, max_len: int) -> int:
+def _bucket(n: int) -> int:
+  """Rows are padded to a power of two (at least 64), so few shapes compile."""
   b = 64
   while b < n:
     b *= 2
-  return min(b, max_len)
+  return b
 
 
 class Scorer:
   """Per-token NLL and greedy predictions for padded rows, compiled per bucket."""
 
-  def __init__(self, graphdef, params, max_len: int, pad_id: int):
-    self.params, self.max_len, self.pad_id = params, max_len, pad_id
+  def __init__(self, graphdef, params, pad_id: int):
+    self.params, self.pad_id = params, pad_id
 
     @jax.jit
     def score(params, ids):
@@ -196,7 +198,7 @@ class Scorer:
     self.score = score
 
   def __call__(self, rows: list[list[int]]):
-    L = _bucket(max(len(r) for r in rows), self.max_len)
+    L = _bucket(max(len(r) for r in rows))
     n = len(rows)
     n_pad = -(-n // 4) * 4  # rows padded to a multiple of 4: few shapes
     ids = np.full((n_pad, L), self.pad_id, np.int32)
@@ -223,33 +225,27 @@ def centered(acc: float, random_baseline_pct: float) -> float:
   return (acc - r) / (1.0 - r)
 
 
-def evaluate_task(bundle, task: Task, scorer: Scorer, tok, max_len: int,
-                  max_per_task: int = -1, log=print) -> float:
+def evaluate_task(bundle, task: Task, scorer: Scorer, tok, max_per_task: int = -1) -> float:
   items = load_items(bundle, task, max_per_task)
-  correct = unscorable = 0
+  correct = 0
   for idx, item in enumerate(items):
     prompts = render(task, item, fewshot_examples(items, idx, task.num_fewshot))
-    try:
-      s = truncate_left(spans(task, prompts, tok), max_len)
-    except BundleError:  # a continuation longer than the context: counted as wrong
-      unscorable += 1
-      continue
-    correct += score_item(task, s, scorer, tok, item.get("gold"))
-  if unscorable:
-    log(f"CORE {task.label}: {unscorable} of {len(items)} items have a continuation longer "
-        f"than the {max_len}-token context; counted as wrong")
+    correct += score_item(task, spans(task, prompts, tok), scorer, tok, item.get("gold"))
   return correct / max(1, len(items))
 
 
-def core(bundle: str, graphdef, params, tok, max_len: int, max_per_task: int = -1,
+def core(bundle: str, graphdef, params, tok, max_per_task: int = -1, core_config: str = "",
          log=print) -> dict:
-  """{'core': mean centered accuracy, 'tasks': {label: {accuracy, centered}}}."""
-  tasks = load_bundle(bundle)
-  scorer = Scorer(graphdef, params, max_len, pad_id=tok.bos_id)
+  """{'core': mean centered accuracy,
+      'core_tasks': {label: {'shots': n, 'accuracy': a, 'centered': c}}}."""
+  tasks = load_bundle(bundle, core_config)
+  scorer = Scorer(graphdef, params, pad_id=tok.bos_id)
   results = {}
   for task in tasks:
-    acc = evaluate_task(bundle, task, scorer, tok, max_len, max_per_task, log)
-    results[task.label] = {"accuracy": acc, "centered": centered(acc, task.random_baseline)}
-    log(f"CORE {task.label}: accuracy {acc:.4f}, centered {results[task.label]['centered']:.4f}")
+    acc = evaluate_task(bundle, task, scorer, tok, max_per_task)
+    results[task.label] = {"shots": task.num_fewshot, "accuracy": acc,
+                           "centered": centered(acc, task.random_baseline)}
+    log(f"CORE {task.label} ({task.num_fewshot}-shot): accuracy {acc:.4f}, "
+        f"centered {results[task.label]['centered']:.4f}")
   score = float(np.mean([r["centered"] for r in results.values()])) if results else float("nan")
-  return {"core": score, "tasks": results}
+  return {"core": score, "core_tasks": results}

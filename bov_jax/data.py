@@ -86,11 +86,16 @@ class TrainWindows:
                                                      prefetch_buffer_size=WINDOWS_AHEAD)))
 
 
+REFILL = 128  # the reference tops its buffer up a tokenizer batch (128 documents) at a time
+
+
 class PackedRows(grain.IterDataset):
-  """Rows of `row_len` tokens, BOS-aligned best fit with cropping (the reference's
-  dataloader). Each row: take the largest buffered document that fits the space left;
-  when none fits, take the shortest, put its first tokens in the space left, drop the
-  rest. Rows start with BOS (every document does) and carry no padding."""
+  """Rows of `row_len` tokens, BOS-aligned best fit with cropping, as the reference's
+  dataloader packs them. Before each choice the buffer is topped up, REFILL documents at
+  a time, while it holds fewer than `buffer_size`. Each row: take the largest buffered
+  document that fits the space left (the oldest among equally long ones); when none fits,
+  take the shortest (the oldest among equals), put its first tokens in the space left,
+  drop the rest. Rows start with BOS (every document does) and carry no padding."""
 
   def __init__(self, windows: TrainWindows, row_len: int, buffer_size: int = 1000):
     super().__init__()
@@ -108,7 +113,8 @@ class _PackedRowsIterator(grain.DatasetIterator):
     self._k, self._offset = 0, 0      # the window being read, and the next document in it
     self._stream = self._ids = self._toks = None  # started at the first document asked for
     self._done = False                # a finite source (validation) has run out
-    self._buffer = []  # sorted by (length, document id): (length, id, tokens)
+    self._seq = 0                     # documents taken so far: their age in the buffer
+    self._buffer = []  # sorted by (length, age): (length, age, document id, tokens)
 
   def _next_doc(self):
     if self._stream is None:
@@ -121,14 +127,18 @@ class _PackedRowsIterator(grain.DatasetIterator):
     self._offset += 1
     return int(self._ids[i]), self._toks[i]
 
+  def _add(self, i, toks):
+    bisect.insort(self._buffer, (len(toks), self._seq, i, toks), key=lambda e: e[:2])
+    self._seq += 1
+
   def _fill(self):
     while not self._done and len(self._buffer) < self.buffer_size:
-      try:
-        i, toks = self._next_doc()
-      except StopIteration:
-        self._done = True
-        return
-      bisect.insort(self._buffer, (len(toks), i, toks), key=lambda e: e[:2])
+      for _ in range(REFILL):
+        try:
+          self._add(*self._next_doc())
+        except StopIteration:
+          self._done = True
+          return
 
   def __next__(self):
     row = []
@@ -138,26 +148,28 @@ class _PackedRowsIterator(grain.DatasetIterator):
       if not self._buffer:  # the documents ran out: an unfinished row is dropped, not padded
         raise StopIteration
       k = bisect.bisect_right(self._buffer, (space, float("inf")), key=lambda e: e[:2]) - 1
-      if k >= 0:  # the largest document that fits
-        _, _, toks = self._buffer.pop(k)
+      if k >= 0:  # the largest document that fits: the oldest of that length
+        k = bisect.bisect_left(self._buffer, (self._buffer[k][0], -1), key=lambda e: e[:2])
+        toks = self._buffer.pop(k)[3]
         row.append(toks)
         space -= len(toks)
-      else:  # none fits: crop the shortest
-        _, _, toks = self._buffer.pop(0)
-        row.append(toks[:space])
+      else:  # none fits: crop the shortest (the oldest of that length)
+        row.append(self._buffer.pop(0)[3][:space])
         space = 0
     return np.concatenate(row)
 
   def get_state(self):
+    """The window being read, how far, and the buffered documents' ids from oldest."""
     return {"window": int(self._k), "offset": int(self._offset),
-            "buffer": [int(i) for _, i, _ in self._buffer]}
+            "buffer": [int(e[2]) for e in sorted(self._buffer, key=lambda e: e[1])]}
 
   def set_state(self, state):
     self._k, self._offset = int(state["window"]), int(state["offset"])
     self._stream = None  # restarts at that window when next read
     toks = self.windows.tokens_of(state["buffer"])
-    self._buffer = sorted(((len(toks[i]), i, toks[i]) for i in state["buffer"]),
-                          key=lambda e: e[:2])
+    self._buffer, self._seq = [], 0
+    for i in state["buffer"]:
+      self._add(i, toks[i])
 
 
 def train_batches(windows: TrainWindows, row_len: int, rows: int, buffer_size: int = 1000):

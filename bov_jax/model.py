@@ -152,15 +152,15 @@ class GPT(nnx.Module):
     self.spec = spec  # static (hashable): part of the graphdef, so it keys jit caches
     self.compute_dtype = jnp.dtype(spec.dtype)
     Vp, D = spec.padded_vocab, spec.n_embd
-    pd = jnp.dtype(spec.param_dtype)
+    pd, ed = jnp.dtype(spec.param_dtype), jnp.dtype(spec.embedding_dtype)
     self.table_of = _FrozenDict(values.table_keys(spec.value, spec.n_layer))  # layer -> table
-    self.wte = _param((Vp, D), ("vocab", "embed"), pd)
+    self.wte = _param((Vp, D), ("vocab", "embed"), ed)
     self.lm_head = _param((D, Vp), ("embed", "vocab"), pd)
     self.smear_w = _param((SMEAR_CHANNELS,), (None,), pd)
     self.smear_lambda = _param((), (), pd)
     self.blocks = nnx.List([Block(spec, i) for i in range(spec.n_layer)])
     self.tables = nnx.Dict({name: _param((Vp, spec.n_kv_head * spec.head_dim),
-                                         ("table_vocab", "kv_heads"), pd)
+                                         ("table_vocab", "kv_heads"), ed)
                             for name in sorted(set(self.table_of.values()))})
 
   # -- forward ---------------------------------------------------------------
@@ -291,7 +291,8 @@ def init_weights(model: GPT, key) -> None:
   def set_(p, value):
     p.set_value(value.astype(p.dtype))
 
-  set_(model.wte, normal("wte", model.wte.shape, 0.8))
+  wte = normal("wte", model.wte.shape, 0.8)  # float32, whatever the stored dtype
+  set_(model.wte, wte)
   set_(model.lm_head, normal("lm_head", model.lm_head.shape, 0.001))
   set_(model.smear_lambda, jnp.zeros(()))
   set_(model.smear_w, uniform("smear_w", model.smear_w.shape, 0.0, 0.02))
@@ -323,7 +324,7 @@ def init_weights(model: GPT, key) -> None:
     if gated:
       set_(table, uniform(f"table.{name}", table.shape, -s, s))
     else:
-      set_(table, rmsnorm(model.wte[...].astype(jnp.float32)) @ wv_init[layer])
+      set_(table, rmsnorm(wte) @ wv_init[layer])
 
 
 def abstract(spec: ModelSpec) -> GPT:

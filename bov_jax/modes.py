@@ -30,8 +30,8 @@ def restore(spec, workdir: str, mesh):
 
 def run_core(spec, graphdef, params, tok) -> dict:
   from bov_jax import core
-  return core.core(spec.eval.core_bundle, graphdef, params, tok, spec.model.sequence_len,
-                   spec.eval.core_max_per_task, log=log)
+  return core.core(spec.eval.core_bundle, graphdef, params, tok, spec.eval.core_max_per_task,
+                   spec.eval.core_config, log=log)
 
 
 def evaluate(spec, workdir: str) -> dict:

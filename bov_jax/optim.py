@@ -47,11 +47,14 @@ def lr_multiplier(it, n, warmup=40, warmdown_ratio=0.65, final_frac=0.05):
 
 
 def muon_momentum(it, n, warmdown_ratio=0.65):
+  """0.85 -> 0.97 over the first 400 steps, then 0.97 -> 0.90 over the warmdown. The
+  reference tests the warmup first, so in a run shorter than ~1,150 steps, where the two
+  overlap, the warmup wins."""
   w = round(warmdown_ratio * n)
   it = jnp.asarray(it, jnp.float32)
-  warm = 0.85 + (0.97 - 0.85) * jnp.minimum(it / 400.0, 1.0)
   frac = (it - (n - w)) / max(w, 1)
-  return jnp.where(it > n - w, 0.97 + (0.90 - 0.97) * frac, warm)
+  down = jnp.where(it >= n - w, 0.97 + (0.90 - 0.97) * frac, 0.97)
+  return jnp.where(it < 400, 0.85 + (0.97 - 0.85) * it / 400.0, down)
 
 
 def muon_weight_decay(it, n, wd):
@@ -153,12 +156,15 @@ def muon_direction(g, buf, buf2, momentum, polar_dtype=jnp.float32, polar_gram=T
 
 
 def muon(learning_rate, momentum, weight_decay, batched: bool = True,
-         polar_dtype=jnp.float32, polar_gram: bool = True) -> optax.GradientTransformation:
+         polar_dtype=jnp.float32, polar_gram: bool = True,
+         update_dtype=jnp.float32) -> optax.GradientTransformation:
   """The reference's Muon. learning_rate, momentum, weight_decay: step -> value.
 
   batched: matrices of one shape go through Polar Express together, one
   batched matmul per step (optim.muon_batched).
   polar_dtype, polar_gram: see `polar_express`.
+  update_dtype: the final update lr*X + lr*wd*p*mask is computed in this dtype (the
+  reference: bfloat16 under bfloat16 compute, X, lr, wd and p cast first).
   """
   direction = functools.partial(muon_direction, polar_dtype=polar_dtype, polar_gram=polar_gram)
 
@@ -194,8 +200,11 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
       for k, (x, b, b2) in zip(ks, outs):
         bufs[k], bufs2[k] = b, b2
         pf = p_leaves[k].astype(jnp.float32)
-        mask = (x * pf >= 0).astype(jnp.float32)  # cautious: decay only where it agrees
-        upd[k] = (-(lr_eff * x + lr_eff * wd * pf * mask)).astype(p_leaves[k].dtype)
+        mask = (x * pf >= 0)  # cautious: decay only where it agrees
+        lr_u, wd_u = (jnp.asarray(v, update_dtype) for v in (lr_eff, wd))
+        x_u, p_u = x.astype(update_dtype), pf.astype(update_dtype)
+        u = lr_u * x_u + lr_u * wd_u * p_u * mask.astype(update_dtype)
+        upd[k] = (-u).astype(p_leaves[k].dtype)
     unflat = lambda xs: jax.tree.unflatten(treedef, xs)
     return unflat(upd), MuonState(it + 1, unflat(bufs), unflat(bufs2))
 
@@ -259,5 +268,6 @@ def make(o, num_iterations: int, hp: dict) -> optax.GradientTransformation:
       learning_rate=lambda it: hp["muon"] * mult(it),
       momentum=lambda it: muon_momentum(it, num_iterations, o.warmdown_ratio),
       weight_decay=lambda it: muon_weight_decay(it, num_iterations, hp["muon_weight_decay"]),
-      batched=o.muon_batched, polar_dtype=jnp.dtype(o.polar_dtype), polar_gram=o.polar_gram)
+      batched=o.muon_batched, polar_dtype=jnp.dtype(o.polar_dtype), polar_gram=o.polar_gram,
+      update_dtype=jnp.dtype(o.update_dtype))
   return optax.partition(groups, labels)

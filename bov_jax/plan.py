@@ -109,6 +109,19 @@ def memory_per_device(spec: spec_lib.RunSpec, num_iterations: int = 100) -> dict
           "optimizer_bytes_per_device": sharding.bytes_per_device(opt, opt_specs, mesh.shape)}
 
 
+PRECISION_GROUPS = {"embed": "embedding", "table": "tables", "muon": "matrices",
+                    "unembed": "lm_head", "smear": "scalars", "alpha": "scalars",
+                    "beta_gamma": "scalars"}
+
+
+def param_dtypes(m: spec_lib.ModelSpec) -> dict:
+  """The stored dtype of each parameter group (optimizer moments follow it)."""
+  out = {}
+  for path, v in _flat(m).items():
+    out.setdefault(PRECISION_GROUPS[optim.label(path)], str(np.dtype(v.dtype)))
+  return out
+
+
 def make_plan(spec: spec_lib.RunSpec) -> dict:
   m = spec.model
   mode = m.value
@@ -134,5 +147,7 @@ def make_plan(spec: spec_lib.RunSpec) -> dict:
       "total_flops": float(fpt) * iters * tokens_per_step,
       "windows": list(m.windows),
       "eval_tokens": int(spec.train.eval_tokens),
+      "param_dtypes": param_dtypes(m),
+      "muon_update_dtype": spec.optim.update_dtype,
       **memory_per_device(spec, iters),
   }

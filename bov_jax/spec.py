@@ -33,6 +33,7 @@ class ModelSpec:
   value: values.ValueMode
   dtype: str                 # compute
   param_dtype: str           # master weights
+  embedding_dtype: str       # the token embedding and the value tables
   attention: str             # xla | cudnn | blocks | splash
   decode_attention: str      # xla | fused | fused_if_compiles
   table_lookup: str          # shard_map | gather | one_hot | host
@@ -73,6 +74,7 @@ class OptimSpec:
   muon_batched: bool
   polar_dtype: str
   polar_gram: bool
+  update_dtype: str          # Muon's final update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +125,11 @@ def _model(m, backend: str) -> ModelSpec:
   return ModelSpec(
       n_layer=m.n_layer, n_embd=m.n_embd, n_head=m.n_head, n_kv_head=m.n_kv_head,
       sequence_len=m.sequence_len, vocab_size=m.vocab_size, windows=window_sizes(m),
-      value=mode, dtype=m.dtype, param_dtype=m.param_dtype, attention=attention,
+      value=mode, dtype=m.dtype, param_dtype=m.param_dtype,
+      # the reference stores these in bfloat16 under bfloat16 compute (docs/design.md)
+      embedding_dtype=(("bfloat16" if m.dtype == "bfloat16" else m.param_dtype)
+                       if m.embedding_dtype == "auto" else m.embedding_dtype),
+      attention=attention,
       decode_attention=decode,
       table_lookup="shard_map" if m.table_lookup == "auto" else m.table_lookup,
       remat=m.remat,
@@ -135,7 +141,7 @@ def _tristate(value: str, auto: bool) -> bool:
   return auto if value == "auto" else value == "true"
 
 
-def _optim(o, backend: str) -> OptimSpec:
+def _optim(o, backend: str, compute_dtype: str) -> OptimSpec:
   return OptimSpec(
       embedding_lr=o.embedding_lr, unembedding_lr=o.unembedding_lr, matrix_lr=o.matrix_lr,
       scalar_lr=o.scalar_lr, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps,
@@ -146,7 +152,10 @@ def _optim(o, backend: str) -> OptimSpec:
       polar_dtype="bfloat16" if o.polar_dtype == "auto" else o.polar_dtype,
       # the float32 Gram-space form has fewer FLOPs; accelerators run bf16 matmuls
       # several times faster than float32 ones, so there the direct iteration wins
-      polar_gram=_tristate(o.polar_gram, backend == "cpu"))
+      polar_gram=_tristate(o.polar_gram, backend == "cpu"),
+      # the reference applies Muon's update in bfloat16 under bfloat16 compute
+      update_dtype=(("bfloat16" if compute_dtype == "bfloat16" else "float32")
+                    if o.muon_update_dtype == "auto" else o.muon_update_dtype))
 
 
 def resolve(cfg, backend: str | None = None) -> RunSpec:
@@ -154,7 +163,8 @@ def resolve(cfg, backend: str | None = None) -> RunSpec:
   config_lib.validate(cfg)
   backend = backend or jax.default_backend()
   frozen = lambda name: ml_collections.FrozenConfigDict(cfg[name])
-  return RunSpec(model=_model(cfg.model, backend), optim=_optim(cfg.optim, backend),
+  return RunSpec(model=_model(cfg.model, backend),
+                 optim=_optim(cfg.optim, backend, cfg.model.dtype),
                  train=frozen("train"), data=frozen("data"), eval=frozen("eval"),
                  sample=frozen("sample"), log=frozen("log"), mesh=frozen("mesh"),
                  config_json=cfg.to_json())

@@ -46,9 +46,50 @@ def write_bundle(root):
       f.writelines(json.dumps(x) + "\n" for x in items)
 
 
+def write_authors_bundle(root, n_items=3):
+  """A bundle with every task of the authors' list (tiny items in each format) and a
+  core.yaml of its own that must be ignored."""
+  import yaml
+  tasks = yaml.safe_load(open(ev.AUTHORS_TASKS))["icl_tasks"]
+  rows = ["Eval Task,Task Category,Random baseline"]
+  for t in tasks:
+    path = root / "eval_data" / t["dataset_uri"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kind = t["icl_task_type"]
+    items = [({"query": f"q{i} is", "choices": ["a", "b"], "gold": i % 2} if kind == "multiple_choice"
+              else {"context_options": [f"c{i}", f"d{i}"], "continuation": "e", "gold": 0}
+              if kind == "schema" else {"context": f"x{i}", "continuation": "y"})
+             for i in range(max(n_items, 26))]  # 25 shots need 26 items
+    path.write_text("".join(json.dumps(x) + "\n" for x in items))
+    rows.append(f"{t['label']},c,{50.0 if kind != 'language_modeling' else 0.0}")
+  (root / "eval_meta_data.csv").write_text("\n".join(rows) + "\n")
+  (root / "core.yaml").write_text("icl_tasks:\n- label: copa\n  dataset_uri: "
+                                  "commonsense_reasoning/copa.jsonl\n  num_fewshot: [7]\n"
+                                  "  icl_task_type: multiple_choice\n")
+  return tasks
+
+
+def test_the_authors_task_list_is_the_default(tmp_path):
+  write_authors_bundle(tmp_path)
+  tasks = ev.load_bundle(str(tmp_path))  # the bundle's own core.yaml (copa at 7) is ignored
+  by = {t.label: t for t in tasks}
+  assert len(tasks) == 21 and "hellaswag_zeroshot" not in by
+  assert by["arc_easy"].num_fewshot == by["arc_challenge"].num_fewshot == 25
+  assert by["winogrande"].num_fewshot == 5 and by["copa"].num_fewshot == 0
+  assert by["agi_eval_lsat_ar"].num_fewshot == 3 and by["squad"].num_fewshot == 10
+  assert by["piqa"].delimiter == "\nAnswer: " and by["boolq"].delimiter == "\nAnswer: "
+  assert by["jeopardy"].delimiter == "\nAnswer: " and by["copa"].delimiter == " "
+  assert by["winograd"].task_type == by["winogrande"].task_type == "schema"
+  own = ev.load_bundle(str(tmp_path), core_config=str(tmp_path / "core.yaml"))
+  assert [(t.label, t.num_fewshot) for t in own] == [("copa", 7)]  # named: used
+  (tmp_path / "eval_data" / "reading_comprehension" / "squad.jsonl").unlink()
+  with pytest.raises(ev.BundleError, match=r"task 'squad' needs .*squad\.jsonl, which is missing"):
+    ev.load_bundle(str(tmp_path))
+
+
 def test_bundle_parsing(tmp_path):
   write_bundle(tmp_path)
-  tasks = ev.load_bundle(str(tmp_path))
+  tasks = ev.load_bundle(str(tmp_path), str(tmp_path / "core.yaml"))
   assert [t.label for t in tasks] == ["mc", "schema", "lm_0shot", "lm_1shot"]
   assert tasks[0].delimiter == " -> " and tasks[1].delimiter == " "
   assert tasks[0].random_baseline == 25.0 and tasks[0].num_fewshot == 2
@@ -57,12 +98,14 @@ def test_bundle_parsing(tmp_path):
 
 
 def test_bundle_errors(tmp_path):
-  with pytest.raises(ev.BundleError, match="missing core.yaml"):
+  with pytest.raises(ev.BundleError, match="missing eval_meta_data.csv"):
     ev.load_bundle(str(tmp_path))
+  with pytest.raises(ev.BundleError, match=r"eval\.core_config=/no/such\.yaml: no such file"):
+    ev.load_bundle(str(tmp_path), "/no/such.yaml")
   write_bundle(tmp_path)
   (tmp_path / "eval_meta_data.csv").write_text("Eval Task,Random baseline\nmc,25\n")
   with pytest.raises(ev.BundleError, match="no 'Random baseline' for task 'schema'"):
-    ev.load_bundle(str(tmp_path))
+    ev.load_bundle(str(tmp_path), str(tmp_path / "core.yaml"))
 
 
 def test_render_with_fewshot_and_delimiters():
@@ -143,13 +186,26 @@ def test_centered_accuracy():
   assert ev.centered(0.3, 0.0) == pytest.approx(0.3)
 
 
-def test_left_truncation_keeps_the_continuation():
-  s = ev.Scored([list(range(20)), list(range(18))], [15, 15], [20, 18])
-  t = ev.truncate_left(s, 10)
-  assert t.tokens[0] == list(range(10, 20)) and t.starts[0] == 5 and t.ends[0] == 10
-  assert t.tokens[1] == list(range(8, 18)) and t.starts[1] == 7 and t.ends[1] == 10
-  with pytest.raises(ev.BundleError, match="does not fit"):
-    ev.truncate_left(ev.Scored([list(range(20))], [12], [20]), 8)
+def test_a_prompt_longer_than_the_training_length_is_scored_whole():
+  """Positions past model.sequence_len run as the reference runs them: the whole prompt,
+  BOS first, no cut; the NLL of each position equals the model's on the unpadded row."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from tests.helpers import init_model, small_config
+  m = init_model(small_config("gpt_base_v_from_value_emb_learn", vocab_size=200,
+                              sequence_len=64), jax.random.key(0))
+  graphdef, state = nnx.split(m)
+  tok = CharTok()
+  s = ev.spans(LM, ["ab " * 50, "ab " * 50 + " cd"], tok)  # 150 context tokens > 64
+  assert len(s.tokens[0]) > 150 and s.tokens[0][0] == 0
+  scorer = ev.Scorer(graphdef, nnx.to_pure_dict(state), pad_id=0)
+  nll, _ = scorer(s.tokens)
+  assert nll.shape[1] == 256  # the bucket holds the whole row
+  row = jnp.asarray([s.tokens[0]], jnp.int32)
+  logits = np.asarray(m(row))[0]
+  want = jax.nn.logsumexp(logits, axis=-1)[:-1] - logits[np.arange(len(row[0]) - 1), row[0, 1:]]
+  np.testing.assert_allclose(nll[0, :len(row[0]) - 1], np.asarray(want), rtol=1e-4, atol=1e-4)
 
 
 def test_core_end_to_end_with_a_model(tmp_path):
@@ -165,9 +221,10 @@ def test_core_end_to_end_with_a_model(tmp_path):
     def encode(self, text, bos=True):
       return [min(i, 199) for i in super().encode(text, bos)]
 
-  res = ev.core(str(tmp_path), graphdef, nnx.to_pure_dict(state), ClippedTok(), 64,
-                log=lambda *_: None)
-  assert set(res["tasks"]) == {"mc", "schema", "lm_0shot", "lm_1shot"}
+  res = ev.core(str(tmp_path), graphdef, nnx.to_pure_dict(state), ClippedTok(),
+                core_config=str(tmp_path / "core.yaml"), log=lambda *_: None)
+  assert set(res["core_tasks"]) == {"mc", "schema", "lm_0shot", "lm_1shot"}
   assert np.isfinite(res["core"])
-  for r in res["tasks"].values():
+  assert res["core_tasks"]["mc"]["shots"] == 2 and res["core_tasks"]["lm_1shot"]["shots"] == 1
+  for r in res["core_tasks"].values():
     assert 0.0 <= r["accuracy"] <= 1.0

@@ -131,3 +131,15 @@ def test_val_rows_are_fixed(tok):
   assert a.shape == (5, 33) and np.all(a[:, 0] == tok.bos_id)
   with pytest.raises(data.DataError, match="packs into no full row"):
     data.val_rows(iter(["a"]), tok, 33, 5)
+
+
+def test_packer_takes_the_oldest_of_equal_fits_and_refills_128_at_a_time():
+  """As the reference's loop: the first (oldest) of equally good documents wins, for the
+  best fit and for the crop; the buffer is topped up 128 documents at a time."""
+  rows = _rows([5, 5, 5, 4, 4], 5, buffer_size=8, n=4, per=5)
+  assert [r[1] // 1000 for r in rows[:3]] == [0, 1, 2]  # equal fits: oldest first
+  assert list(rows[3]) == [0, 3001, 3002, 3003, 0]  # 4 fits; then crop the oldest shortest
+  lengths = [3] * 300
+  it = iter(data.PackedRows(FakeWindows(lengths, 10), 30, 200))
+  next(it)  # 10 documents of 3 tokens in the row
+  assert len(it.get_state()["buffer"]) == 2 * 128 - 10  # 128 < 200: another 128, then 256

@@ -207,7 +207,15 @@ def test_loss_ignores_minus_one_targets():
 
 
 def test_bf16_compute_keeps_fp32_master_weights():
+  """Matrices stay float32 under bfloat16 compute; the token embedding and the value
+  tables are stored as the reference stores them (bfloat16: model.embedding_dtype=auto),
+  or float32 when asked."""
   cfg = small_config("gpt_base_v_from_value_emb_learn", dtype="bfloat16")
+  m = init_model(cfg, jax.random.key(0))
+  assert m.wte[...].dtype == jnp.bfloat16 and m.tables["layer_5"][...].dtype == jnp.bfloat16
+  assert m.blocks[0].attn.wq[...].dtype == jnp.float32 and m.lm_head[...].dtype == jnp.float32
+  cfg = small_config("gpt_base_v_from_value_emb_learn", dtype="bfloat16",
+                     embedding_dtype="float32")
   m = init_model(cfg, jax.random.key(0))
   assert m.wte[...].dtype == jnp.float32 and m.tables["layer_5"][...].dtype == jnp.float32
   out = m(_idx())

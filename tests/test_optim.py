@@ -8,9 +8,9 @@ import optax
 import pytest
 
 from bov_jax import config as config_lib
-from bov_jax import spec as spec_lib
 from bov_jax import optim
 from bov_jax import plan
+from bov_jax import spec as spec_lib
 
 PE = [(8.156554524902461, -22.48329292557795, 15.878769915207462),
       (4.042929935166739, -2.808917465908714, 0.5000178451051316),
@@ -30,10 +30,13 @@ def np_lr_mult(it, n):
 
 
 def np_momentum(it, n):
+  """The reference's order: the warmup branch first, then the warmdown."""
   w = round(0.65 * n)
-  if it > n - w:
+  if it < 400:
+    return 0.85 + 0.12 * it / 400
+  if it >= n - w:
     return 0.97 + (0.90 - 0.97) * (it - (n - w)) / w
-  return 0.85 + 0.12 * min(it / 400, 1)
+  return 0.97
 
 
 class NumpyMuon:
@@ -91,6 +94,16 @@ def test_schedules_match_spec():
       assert float(optim.muon_weight_decay(it, n, 0.28)) == pytest.approx(
           0.28 * 0.5 * (1 + math.cos(math.pi * it / n)), abs=1e-6)
   assert float(optim.lr_multiplier(999, 1000)) == pytest.approx(1 / 650 + (1 - 1 / 650) * 0.05)
+
+
+@pytest.mark.parametrize("n, step, want", [
+    (120, 0, 0.85), (120, 43, 0.8629), (120, 200, 0.91), (120, 399, 0.9697),
+    (3766, 0, 0.85), (3766, 43, 0.8629), (3766, 200, 0.91), (3766, 399, 0.9697),
+    (3766, 1318, 0.97), (3766, 3765, 0.90003)])
+def test_muon_momentum_pinned(n, step, want):
+  """The warmup (it < 400) wins where it overlaps the warmdown (N - 0.65 N = 42 for a
+  120-step run): step 43 is 0.8629, not the warmdown's 0.969."""
+  assert float(optim.muon_momentum(step, n)) == pytest.approx(want, abs=5e-5)
 
 
 @pytest.mark.parametrize("shape", [(8, 8), (6, 10), (12, 5)])
@@ -300,3 +313,51 @@ def test_batched_polar_express_equals_one_at_a_time():
     out.append(u)
   for k in ps:
     np.testing.assert_allclose(np.asarray(out[0][k]), np.asarray(out[1][k]), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decoupled_decay_cannot_move_a_bfloat16_table(dtype):
+  """The reference stores tables in bfloat16, Adam moments too: a row whose Adam step has
+  faded is never decayed (lr * wd = 0.0015 is under half a bfloat16 ulp), where float32
+  decays it step by step."""
+  c = config_lib.depth_config(12, "gpt_base_v_from_value_emb_learn")
+  c.model.embedding_dtype = dtype
+  s = spec_lib.resolve(c)
+  hp = plan.hyperparams(s)
+  assert hp["table"] * optim.ADAM_GROUPS["table"][1] == pytest.approx(0.0015)
+  tx = optim.make(s.optim, 1000, hp)
+  row = jnp.asarray([[0.5, -1.25, 3.0, 0.1]], jnp.dtype(dtype))
+  p = {"tables": {"layer_8": row}}
+  state = tx.init(p)
+  moments = [x for x in jax.tree.leaves(state) if x.shape == row.shape]
+  assert len(moments) == 2 and all(m.dtype == row.dtype for m in moments)
+  for _ in range(100):  # zero gradients: only the decay acts
+    u, state = tx.update(jax.tree.map(jnp.zeros_like, p), state, p)
+    p = optax.apply_updates(p, u)
+  got, start = (np.asarray(x, np.float32) for x in (p["tables"]["layer_8"], row))
+  if dtype == "bfloat16":
+    np.testing.assert_array_equal(got, start)
+  else:
+    decay = np.prod([1 - 0.0015 * np_lr_mult(it, 1000) for it in range(100)])
+    np.testing.assert_allclose(got, start * decay, rtol=1e-5)
+
+
+def test_muon_update_in_bfloat16_rounds_as_the_reference():
+  """update_dtype=bfloat16: X, lr, wd and p cast to bfloat16, lr*X + lr*wd*p*mask formed in
+  bfloat16, then applied to the float32 parameter."""
+  rng = np.random.default_rng(3)
+  p = {"w": jnp.asarray(rng.standard_normal((8, 8)), jnp.float32)}
+  g = {"w": jnp.asarray(rng.standard_normal((8, 8)), jnp.float32)}
+  lr, wd = 0.0213, 0.28
+  out = {}
+  for dt in (jnp.float32, jnp.bfloat16):
+    tx = optim.muon(lambda i: lr, lambda i: 0.9, lambda i: wd, update_dtype=dt)
+    out[dt] = np.asarray(tx.update(g, tx.init(p), p)[0]["w"])
+  x, _, _ = optim.muon_direction(g["w"], jnp.zeros((8, 8)), jnp.zeros((1, 8)), 0.9)
+  b = lambda v: jnp.asarray(v, jnp.bfloat16)
+  mask = (x * p["w"] >= 0).astype(jnp.bfloat16)
+  want = -(b(lr) * b(x) + b(lr) * b(wd) * b(p["w"]) * mask)
+  np.testing.assert_array_equal(out[jnp.bfloat16], np.asarray(want.astype(jnp.float32)))
+  assert out[jnp.bfloat16].dtype == np.float32
+  assert not np.array_equal(out[jnp.bfloat16], out[jnp.float32])  # the rounding shows
+  np.testing.assert_allclose(out[jnp.bfloat16], out[jnp.float32], rtol=2e-2, atol=1e-4)

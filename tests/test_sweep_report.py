@@ -17,7 +17,8 @@ def _sweep(*args):
                         text=True, cwd=ROOT, timeout=120)
 
 
-@pytest.mark.parametrize("name, n", [("table1", 13), ("table2", 5), ("fig5b", 6),
+@pytest.mark.parametrize("name, n", [("table1", 13), ("table2", 5), ("fig5b", 5),
+                                     ("fig5b_extra", 1), ("table3_5", 2),
                                      ("layer_targeting", 5), ("table1_cpu", 13)])
 def test_shipped_sweeps_print_one_command_per_point(name, n):
   out = _sweep(f"--sweep=configs/sweeps/{name}.py", "--print")
@@ -42,6 +43,19 @@ def test_every_point_keeps_the_flop_budget(tmp_path):
                "    {'name': 'a', 'overrides': {'train.num_iterations': 5}}]}\n")
   out = _sweep(f"--sweep={f}", "--print")
   assert out.returncode == 2 and "keeps the base's FLOP budget" in out.stderr
+
+
+def test_figure_5b_and_tables_3_5_are_the_papers():
+  presets = lambda name: [l.split("--config.model.value.preset=")[1].split()[0] for l in
+                          _sweep(f"--sweep=configs/sweeps/{name}.py", "--print").stdout.splitlines()]
+  assert presets("fig5b") == [
+      "gpt_base_v_from_value_emb_learn", "gpt_base_v_from_value_emb_learn_shared",
+      "gpt_base_v_from_value_emb", "gpt_base_v_from_value_emb_learn_every_layer",
+      "gpt_base_add_init_value_emb_learn"]
+  assert presets("table3_5") == ["gpt_base_v_from_value_emb_learn",
+                                 "gpt_base_add_init_value_emb_nanogpt_every2"]
+  t35 = _sweep("--sweep=configs/sweeps/table3_5.py", "--print").stdout
+  assert "configs/baseline_780m.py" in t35
 
 
 def test_overrides_pass_through_and_product():

@@ -114,6 +114,17 @@ def test_resume_after_sigkill_is_exact(tmp_path):
   assert ev.returncode == 0, ev.stderr[-2000:]
   res = json.loads(ev.stdout.strip().splitlines()[-1])
   assert res["step"] == 40 and res["val_bpb"] == pytest.approx(last_a["val_bpb"], rel=1e-4)
+  # CORE: the authors' 21 tasks with their shots (the bundle's own core.yaml is ignored)
+  from tests.test_core import write_authors_bundle
+  write_authors_bundle(tmp_path / "bundle")
+  ev = _main(full, "--mode=eval", f"--config.eval.core_bundle={tmp_path / 'bundle'}",
+             "--config.eval.core_max_per_task=2", fast=False)
+  assert ev.returncode == 0, ev.stderr[-2000:]
+  res = json.loads(ev.stdout.strip().splitlines()[-1])
+  assert len(res["core_tasks"]) == 21 and 0 <= res["core_tasks"]["copa"]["accuracy"] <= 1
+  shots = {k: v["shots"] for k, v in res["core_tasks"].items()}
+  assert shots["arc_easy"] == 25 and shots["winogrande"] == 5 and shots["copa"] == 0
+  assert res["core"] == pytest.approx(sum(v["centered"] for v in res["core_tasks"].values()) / 21)
   # --mode=sample: 48 greedy tokens, cached and uncached, from the trained BoV checkpoint
   toks = []
   for use_cache in ("true", "false"):

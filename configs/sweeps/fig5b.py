@@ -1,14 +1,15 @@
-"""Figure 5b of the paper: Bank of Values component ablations at d12."""
+"""Figure 5b of the paper: Bank of Values' components ablated at d12 (Section 5.3): a
+shared table, the coefficient fixed at 1, a table at every layer, the standard value kept
+(V + E_v[i]), against BoV itself. Points beyond the figure: fig5b_extra.py."""
 from bov_jax.sweep import from_presets
 
 
 ROWS = [
     ("bov", "gpt_base_v_from_value_emb_learn"),
-    ("no_coeff", "gpt_base_v_from_value_emb"),
     ("shared_table", "gpt_base_v_from_value_emb_learn_shared"),
+    ("no_coeff", "gpt_base_v_from_value_emb"),
     ("every_layer", "gpt_base_v_from_value_emb_learn_every_layer"),
     ("add_v", "gpt_base_add_init_value_emb_learn"),
-    ("gated_add_v", "gpt_base_add_init_value_emb_nanogpt"),
 ]
 
 
