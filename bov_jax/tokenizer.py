@@ -4,8 +4,7 @@ in nanochat's format (the reference's nanochat/tokenizer.py and scripts/tok_trai
 GPT-4-style split pattern with `\\p{N}{1,2}`; the nine special tokens sit at the top of the
 vocabulary (trained merges first); `<|bos|>` starts every document. Text is encoded with
 `encode_ordinary`, so document text never turns into a special token. A tokenizer is a
-directory holding `tokenizer.pkl` (a pickled tiktoken Encoding) and `token_bytes.npy`
-(with `token_bytes.pt` too when torch is installed, as nanochat writes it).
+directory holding `tokenizer.pkl` (a pickled tiktoken Encoding) and `token_bytes.npy`.
 
   python -m bov_jax.tokenizer train --corpus=PATH --vocab_size=N --max_chars=M \\
       --doc_cap=10000 --out=DIR           (documents in corpus order)
@@ -84,20 +83,14 @@ class Tokenizer:
     return out
 
   def save(self, directory: str) -> None:
-    """tokenizer.pkl and token_bytes (.npy; and .pt where torch is installed)."""
+    """tokenizer.pkl (what nanochat loads) and token_bytes.npy (nanochat writes a torch
+    tensor, token_bytes.pt; here it is recomputed from the encoding on load anyway)."""
     d = epath.Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     (d / PICKLE).write_bytes(pickle.dumps(self.enc))
     buf = io.BytesIO()
     np.save(buf, self.token_bytes())
     (d / "token_bytes.npy").write_bytes(buf.getvalue())
-    try:
-      import torch  # nanochat reads token_bytes.pt; torch stays optional here
-    except ImportError:
-      return
-    buf = io.BytesIO()
-    torch.save(torch.tensor(self.token_bytes(), dtype=torch.int32), buf)
-    (d / "token_bytes.pt").write_bytes(buf.getvalue())
 
 
 @functools.cache

@@ -109,13 +109,14 @@ cmd_create() {
 cmd_setup() {
   need PROJECT ZONE TPU_NAME
   # The code only: no virtualenv, run directories, caches or git history.
-  local tarball
-  tarball="$(mktemp -t bov_jax_code.XXXXXX.tgz)"
+  local tmp tarball
+  tmp="$(mktemp -d)"
+  tarball="$tmp/bov_jax_code.tgz"
   tar -czf "$tarball" -C "$HERE" --exclude=./.venv --exclude=./runs --exclude=./.git \
     --exclude='__pycache__' --exclude='*.egg-info' --exclude=./.pytest_cache .
   run_cmd gcloud compute tpus tpu-vm scp "$tarball" "$TPU_NAME:~/bov_jax_code.tgz" \
     --project="$PROJECT" --zone="$ZONE" --worker=all
-  rm -f "$tarball"
+  rm -rf "$tmp"
   # The runtime set and TPU jax only (not the test tools).
   tpu_ssh all "mkdir -p ~/$REMOTE_DIR && tar -xzf ~/bov_jax_code.tgz -C ~/$REMOTE_DIR && cd ~/$REMOTE_DIR && python3 -m pip install -q '.[tpu]'"
 }
