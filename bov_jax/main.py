@@ -131,7 +131,11 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  cfg = config_for(_MODE.value, _WORKDIR.value, _CONFIG.value, _CONFIG.present, sys.argv)
+  try:
+    cfg = config_for(_MODE.value, _WORKDIR.value, _CONFIG.value, _CONFIG.present, sys.argv)
+  except ValueError as e:  # the run directory is not one (a file, say)
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
   dist = distributed_settings() if _MODE.value != "plan" else None
   if dist is not None:
     start_distributed(dist)

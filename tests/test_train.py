@@ -234,6 +234,7 @@ def test_config_and_workdir_errors_are_named(tmp_path):
   assert out.returncode != 0 and "--config=FILE is required" in out.stderr
   f = tmp_path / "a_file"
   f.write_text("")
-  out = _main(f)
-  assert out.returncode == 2 and "is a file; expected a directory" in out.stderr
-  assert "Traceback" not in out.stderr
+  for fast in (True, False):  # with --config, and reading the run directory's
+    out = _main(f, fast=fast)
+    assert out.returncode == 2 and "is a file; expected a directory" in out.stderr
+    assert "Traceback" not in out.stderr
