@@ -264,7 +264,7 @@ def test_full_optimizer_matches_numpy_per_group():
   """Several steps of the partitioned optimizer: every group against its numpy transcription
   (Polar Express in float32 here; its bfloat16 rounding is tested above)."""
   c = config_lib.depth_config(12)
-  c.optim.polar_dtype = "float32"
+  c.optim.polar_dtype = c.optim.muon_update_dtype = "float32"
   n = 50
   hp = {"unembed": 0.008, "embed": 0.3, "smear": 0.2, "alpha": 0.005, "beta_gamma": 0.5,
         "table": 0.15, "muon": 0.02, "muon_weight_decay": 0.28}
