@@ -273,5 +273,9 @@ def download(shards: int, directory: str, dry_run: bool = False, fetch=None) -> 
       hf_hub_download(CLIMBMIX_REPO, name, repo_type="dataset", local_dir=directory)
   os.makedirs(directory, exist_ok=True)
   with concurrent.futures.ThreadPoolExecutor(8) as pool:
-    list(pool.map(fetch, missing))
+    futures = [pool.submit(fetch, n) for n in missing]
+  # Every shard is tried before the first failure is raised (pool.map would cancel the
+  # ones not yet started), so a rerun fetches only what really failed.
+  for f in futures:
+    f.result()
   return missing
