@@ -229,17 +229,18 @@ def test_bf16_compute_keeps_fp32_master_weights():
 def test_remat_policies_recompute_and_keep_gradients(preset):
   """model.remat changes what the backward recomputes (more matmuls in the
   compiled program: `dots` keeps every matmul output, `dots_no_batch` recomputes
-  the attention scores, `full` the whole layer), never the gradients."""
+  the attention scores, `full` the whole layer), never the gradients. Three layers:
+  each preset still has a target layer, and the v1 source crosses layers."""
   idx = _idx(T=33, B=2)
   grads, n_dots = {}, {}
   for policy in ("none", "dots", "dots_no_batch", "full"):
-    m = _perturbed(small_config(preset, remat=policy))
+    m = _perturbed(small_config(preset, remat=policy, n_layer=3))
     graphdef, state = nnx.split(m)
     params = nnx.to_pure_dict(state)
     f = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p).loss(idx[:, :-1], idx[:, 1:])))
-    grads[policy] = f(params)
-    hlo = f.lower(params).compile().as_text()
-    n_dots[policy] = hlo.count(" dot(")
+    compiled = f.lower(params).compile()  # compiled once: run, then read its HLO
+    grads[policy] = compiled(params)
+    n_dots[policy] = compiled.as_text().count(" dot(")
   assert n_dots["dots"] == n_dots["none"] < n_dots["dots_no_batch"] < n_dots["full"], n_dots
   for policy in ("dots", "dots_no_batch", "full"):
     for a, b in zip(jax.tree.leaves(grads[policy]), jax.tree.leaves(grads["none"])):
