@@ -12,7 +12,8 @@ from bov_jax import inference
 from bov_jax import kvcache
 from bov_jax import values
 from bov_jax.kernels import sampling
-from tests.helpers import init_model, small_config
+from bov_jax import model as model_lib
+from tests.helpers import init_model, model_spec, small_config
 
 
 def _model(preset, **kw):
@@ -24,6 +25,11 @@ def _model(preset, **kw):
   nnx.update(m, jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape) for x, k in
                                           zip(leaves, keys)]))
   return m
+
+
+def _shapes(preset):
+  """The model's structure alone (what a cache's layout depends on), nothing computed."""
+  return model_lib.abstract(model_spec(small_config(preset)))
 
 
 @pytest.mark.parametrize("preset", sorted(values.PRESETS))
@@ -70,22 +76,22 @@ def test_decode_step_reads_only_the_window():
 
 
 def test_bank_layers_keep_no_values():
-  bov = _model("gpt_base_v_from_value_emb_learn")  # 6 layers: banks 4, 5
+  bov = _shapes("gpt_base_v_from_value_emb_learn")  # 6 layers: banks 4, 5
   cache = kvcache.init(bov, 1, 32)
   assert sorted(cache["v"]) == ["0", "1", "2", "3"] and "ids" in cache
   assert len(cache["k"]) == 6
-  v1 = kvcache.init(_model("gpt_base_v_from_v1_learn"), 1, 32)
+  v1 = kvcache.init(_shapes("gpt_base_v_from_v1_learn"), 1, 32)
   assert sorted(v1["v"]) == ["0", "1", "2", "3"] and "ids" not in v1  # reuses layer 0's
-  base = kvcache.init(_model("gpt_base"), 1, 32)
+  base = kvcache.init(_shapes("gpt_base"), 1, 32)
   assert sorted(base["v"]) == [str(i) for i in range(6)] and "ids" not in base
-  add = kvcache.init(_model("gpt_base_add_init_value_emb_learn"), 1, 32)
+  add = kvcache.init(_shapes("gpt_base_add_init_value_emb_learn"), 1, 32)
   assert len(add["v"]) == 6 and "ids" not in add  # V + E[id] depends on context
 
 
 @pytest.mark.parametrize("batch, context", [(1, 64), (3, 256)])
 def test_memory_formula(batch, context):
-  base = kvcache.init(_model("gpt_base"), batch, context)
-  bov_model = _model("gpt_base_v_from_value_emb_learn")
+  base = kvcache.init(_shapes("gpt_base"), batch, context)
+  bov_model = _shapes("gpt_base_v_from_value_emb_learn")
   bov = kvcache.init(bov_model, batch, context)
   n_bank = sum(b.attn.lv.is_bank for b in bov_model.blocks)
   kv_dim, bpe = 2 * 16, 4
@@ -138,7 +144,9 @@ def test_cache_holds_only_what_the_generation_reaches():
 
 def test_top_k_sampling_stays_in_top_k():
   logits = jnp.asarray([[0.0, 5.0, 4.0, -1.0, 3.0]])
-  seen = {int(sampling.sample_logits(logits, jax.random.key(i), 1.0, 2)[0]) for i in range(200)}
+  keys = jax.random.split(jax.random.key(0), 200)  # 200 draws in one compiled call
+  draws = jax.vmap(lambda k: sampling.sample_logits(logits, k, 1.0, 2))(keys)
+  seen = set(np.asarray(draws).ravel().tolist())
   assert seen == {1, 2}
   assert int(sampling.sample_logits(logits, jax.random.key(0), 0.0, 0)[0]) == 1
 
