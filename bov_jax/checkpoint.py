@@ -74,16 +74,14 @@ def write_config(workdir: str, cfg) -> None:
   (d / "config.json").write_text(cfg.to_json(indent=2))
 
 
-def adopt_config(workdir: str, cfg, log=print, write: bool = True) -> None:
-  """Makes `cfg` the workdir's config of record. A new workdir takes it as is. A run's
-  workdir takes changes it can resume with (recorded in config_changes.jsonl) and, once
-  it holds a checkpoint, refuses the others (config.FIXED_ON_RESUME) naming each setting
-  and both values. Every process checks; only the one with `write` writes."""
+def check_config(workdir: str, cfg) -> dict | None:
+  """The settings `cfg` changes against the workdir's config of record ({name: (old, new)};
+  None for a new workdir). Once the workdir holds a checkpoint, a change it cannot restore
+  (config.FIXED_ON_RESUME) is refused, naming each setting and both values. Every process
+  checks; only process 0 records (record_config)."""
   old = read_config(workdir)
   if old is None:
-    if write:
-      write_config(workdir, cfg)
-    return
+    return None
   delta = config_lib.changes(old, cfg)
   fixed = config_lib.fixed_changes(delta)
   if fixed and saved_steps(workdir):
@@ -92,7 +90,16 @@ def adopt_config(workdir: str, cfg, log=print, write: bool = True) -> None:
         f"--workdir={workdir} holds a run whose checkpoints cannot restore into the requested "
         f"config; these settings differ:\n{lines}\nUse a new --workdir, or leave them as the "
         "run has them (--mode=eval and --mode=sample need no --config: they read the run's)")
-  if delta and write:
+  return delta
+
+
+def record_config(workdir: str, cfg, delta: dict | None, log=print) -> None:
+  """Makes `cfg` the workdir's config of record: a new workdir takes it as is; a resume
+  that changed settings (`delta`, from check_config) logs them and appends them to
+  config_changes.jsonl."""
+  if delta is None:
+    write_config(workdir, cfg)
+  elif delta:
     log("resuming with changed settings: "
         + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in delta.items()))
     record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -102,6 +109,11 @@ def adopt_config(workdir: str, cfg, log=print, write: bool = True) -> None:
     before = changes.read_text() if changes.exists() else ""
     changes.write_text(before + json.dumps(record) + "\n")
     write_config(workdir, cfg)
+
+
+def adopt_config(workdir: str, cfg, log=print) -> None:
+  """check_config, then record_config: one process's whole step."""
+  record_config(workdir, cfg, check_config(workdir, cfg), log)
 
 
 # -- orbax ------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ def run(mode: str, cfg, workdir: str | None) -> int:
     run_lib.use_compile_cache(spec.train.compile_cache_dir)
     if mode == "train":
       return train.PREEMPTED_EXIT if train.train(spec, workdir).get("preempted") else 0
-    checkpoint.adopt_config(workdir, cfg, write=False)  # refuses what cannot restore
+    checkpoint.check_config(workdir, cfg)  # refuses what cannot restore
     _print_json(modes.evaluate(spec, workdir) if mode == "eval" else modes.sample(spec, workdir))
     return 0
   except (ValueError, FileNotFoundError) as e:  # config, data, run-directory, bundle errors

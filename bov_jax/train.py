@@ -53,11 +53,11 @@ def train(spec, workdir: str | None) -> dict:
   mesh = sharding.make_mesh(spec.mesh)
   train_split, val_split = run_lib.documents(spec)  # a missing corpus is named before
   if workdir:                                       # anything is written
-    ckpt_lib.adopt_config(workdir, spec.config(), log=log, write=False)  # each checks
+    delta = ckpt_lib.check_config(workdir, spec.config())  # every process checks
     if jax.process_count() > 1:  # all have read config.json before process 0 rewrites it
       multihost_utils.sync_global_devices("bov_jax: config checked")
     if run_lib.is_main():
-      ckpt_lib.adopt_config(workdir, spec.config(), log=log)
+      ckpt_lib.record_config(workdir, spec.config(), delta, log=log)
     done = ckpt_lib.path(workdir) / "DONE"
     if run_lib.is_main() and done.exists():
       done.unlink()  # training goes on (more steps asked for): not finished until it ends
