@@ -2,7 +2,10 @@
 forward pass."""
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from bov_jax import config as config_lib
 from bov_jax import model as model_lib
@@ -32,6 +35,18 @@ def model_spec(cfg):
 def init_model(cfg, key):
   """An initialised model of a config (resolved, then model.init)."""
   return model_lib.init(model_spec(cfg), key)
+
+
+def random_model(cfg, seed=0, scale=0.1):
+  """A model of a config's structure whose every parameter is scale * N(0, 1), drawn by
+  numpy: for tests of the forward pass, which need every path live (init leaves the
+  output projections at zero) but not the initialisation, which has its own tests and
+  would cost each of these a compile."""
+  graphdef, state = nnx.split(model_lib.abstract(model_spec(cfg)))
+  rng = np.random.default_rng(seed)
+  leaves, tree = jax.tree.flatten(state)
+  leaves = [jnp.asarray(scale * rng.standard_normal(x.shape), x.dtype) for x in leaves]
+  return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
 
 
 # --- a numpy transcription of the reference's forward pass, on its parameter names ----

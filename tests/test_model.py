@@ -9,7 +9,7 @@ from bov_jax import model as model_lib
 from bov_jax import values
 from bov_jax.kernels import attention
 from bov_jax.kernels.matmul import mm
-from tests.helpers import init_model, model_spec, small_config
+from tests.helpers import init_model, model_spec, random_model, small_config
 
 ALL_PRESETS = sorted(values.PRESETS)
 
@@ -19,15 +19,9 @@ def _idx(T=40, B=2, seed=0, V=100):
 
 
 def _perturbed(cfg, seed=0):
-  """An initialised model whose zero-init weights are made non-zero, so every
-  path (W_o, W_proj, smear, coefficients) carries signal."""
-  m = init_model(cfg, jax.random.key(seed))
-  state = nnx.state(m)
-  leaves, tree = jax.tree.flatten(state)
-  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-  leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-  nnx.update(m, jax.tree.unflatten(tree, leaves))
-  return m
+  """A model whose every weight is non-zero (init's are zero for W_o, W_proj, smear), so
+  every path carries signal: random weights of the model's structure."""
+  return random_model(cfg, seed, scale=0.1)
 
 
 @pytest.mark.parametrize("preset", ["gpt_base", "gpt_base_v_from_value_emb_learn",

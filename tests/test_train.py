@@ -177,14 +177,19 @@ def test_compile_cache_dir_keeps_the_compiled_step(tmp_path):
 def test_unusable_compile_cache_dir_is_named_and_skipped(monkeypatch, capsys, tmp_path):
   from bov_jax import config as config_lib
   monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
-  blocker = tmp_path / "a_file"
-  blocker.write_text("")
-  cfg = config_lib.base_config()
-  cfg.train.compile_cache_dir = str(blocker / "cache")  # under a file: cannot be made
-  run_lib.use_compile_cache(cfg.train.compile_cache_dir)
-  err = capsys.readouterr().err
-  assert f"train.compile_cache_dir='{blocker / 'cache'}' is unusable" in err
-  assert jax.config.jax_compilation_cache_dir is None  # left off, not half on
+  session_cache = jax.config.jax_compilation_cache_dir  # conftest's, on in this process
+  jax.config.update("jax_compilation_cache_dir", None)
+  try:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    cfg = config_lib.base_config()
+    cfg.train.compile_cache_dir = str(blocker / "cache")  # under a file: cannot be made
+    run_lib.use_compile_cache(cfg.train.compile_cache_dir)
+    err = capsys.readouterr().err
+    assert f"train.compile_cache_dir='{blocker / 'cache'}' is unusable" in err
+    assert jax.config.jax_compilation_cache_dir is None  # left off, not half on
+  finally:
+    jax.config.update("jax_compilation_cache_dir", session_cache)
 
 
 def test_nan_loss_stops_with_step_and_checkpoint(tmp_path):
