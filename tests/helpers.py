@@ -12,6 +12,16 @@ from bov_jax import model as model_lib
 from bov_jax import spec as spec_lib
 
 
+# The shapes of the runs the tests start (python -m bov_jax.main, sweep, the benchmarks),
+# all one tiny model and batch, so the session's compilation cache (conftest) compiles
+# their init, step, eval and sampling once. Two layers: the second is a bank layer.
+TINY_RUN = ["--config.model.n_layer=2", "--config.model.n_embd=64",
+            "--config.model.sequence_len=64", "--config.model.short_window=32",
+            "--config.model.vocab_size=512", "--config.train.device_batch_size=8",
+            "--config.train.batch_tokens=1024", "--config.train.eval_tokens=2048",
+            "--config.data.tokenizer_chars=2000000"]
+
+
 def small_config(preset: str = "gpt_base_v_from_value_emb_learn", **model):
   c = config_lib.base_config()
   c.model.update(dict(n_layer=6, n_embd=64, n_head=4, n_kv_head=2, sequence_len=64,

@@ -12,13 +12,10 @@ import time
 
 import pytest
 
+from tests.helpers import TINY_RUN
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--config=configs/tiny.py", "--config.model.n_layer=2", "--config.model.n_embd=64",
-        "--config.model.sequence_len=64", "--config.model.short_window=32",
-        "--config.model.vocab_size=512", "--config.train.device_batch_size=4",
-        "--config.train.batch_tokens=1024",
-        "--config.train.eval_tokens=2048",
-        "--config.train.eval_every=100", "--config.train.checkpoint_every=100",
+TINY = ["--config=configs/tiny.py", *TINY_RUN, "--config.train.eval_every=100", "--config.train.checkpoint_every=100",
         "--config.train.log_every=1", "--config.train.sample_tokens=0"]
 
 

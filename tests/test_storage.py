@@ -13,13 +13,10 @@ import pytest
 
 from bov_jax import corpus
 from bov_jax import storage
+from tests.helpers import TINY_RUN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--config.model.n_embd=64", "--config.model.sequence_len=128",
-        "--config.model.short_window=64", "--config.model.vocab_size=512",
-        "--config.train.device_batch_size=8", "--config.train.batch_tokens=1024",
-        "--config.train.eval_tokens=2048", "--config.data.tokenizer_chars=2000000",
-        "--config.train.num_iterations=12", "--config.train.eval_every=6",
+TINY = [*TINY_RUN, "--config.train.num_iterations=12", "--config.train.eval_every=6",
         "--config.train.checkpoint_every=4", "--config.train.log_every=1",
         "--config.train.sample_tokens=0", "--config.data.corpus=gs://bov/corpus"]
 

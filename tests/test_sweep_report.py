@@ -8,6 +8,7 @@ import pytest
 
 from bov_jax import report
 from bov_jax import sweep
+from tests.helpers import TINY_RUN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,12 +75,8 @@ def test_cache_memory_formula():
 
 def test_report_on_two_runs(tmp_path):
   """Two short tiny runs (baseline and BoV) -> PNGs and a Markdown table."""
-  common = ["--config=configs/tiny.py", "--config.model.vocab_size=512",
-            "--config.model.n_embd=64", "--config.model.sequence_len=128",
-            "--config.model.short_window=64", "--config.train.batch_tokens=1024",
-            "--config.train.device_batch_size=8", "--config.data.tokenizer_chars=2000000",
-            "--config.train.num_iterations=6", "--config.train.eval_every=3",
-            "--config.train.eval_tokens=2048", "--config.train.sample_tokens=0"]
+  common = ["--config=configs/tiny.py", *TINY_RUN, "--config.train.num_iterations=6",
+            "--config.train.eval_every=3", "--config.train.sample_tokens=0"]
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
   runs = []
   for preset in ("gpt_base", "gpt_base_v_from_value_emb_learn"):
@@ -90,11 +87,12 @@ def test_report_on_two_runs(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     runs.append(wd)
   coeffs = report.coefficients(runs[1])
-  assert sorted(coeffs["layers"]) == [4, 5] and "gamma" in coeffs["layers"][4]
+  assert sorted(coeffs["layers"]) == [1] and "gamma" in coeffs["layers"][1]  # of 2 layers
   out = subprocess.run([sys.executable, "-m", "bov_jax.report", *runs, f"--out={tmp_path}/rep"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   written = json.loads(out.stdout.strip().splitlines()[-1])["written"]
   assert sum(w.endswith(".png") for w in written) >= 2
   md = open(os.path.join(tmp_path, "rep", "results.md")).read()
-  assert "gpt_base_v_from_value_emb_learn" in md and "| 4,5 |" in md
+  row = next(l for l in md.splitlines() if "gpt_base_v_from_value_emb_learn" in l)
+  assert row.split("|")[5].strip() == "1"  # the layers column: the bank layer

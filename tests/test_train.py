@@ -16,15 +16,11 @@ from flax import nnx
 from bov_jax import bpb
 from bov_jax import run as run_lib
 from bov_jax import step as step_lib
-from tests.helpers import init_model, small_config
+from tests.helpers import TINY_RUN, init_model, small_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAST = ["--config=configs/tiny.py", "--config.model.n_layer=3", "--config.model.n_embd=64",
-        "--config.model.sequence_len=128",
-        "--config.model.short_window=64", "--config.model.vocab_size=512",
-        "--config.train.device_batch_size=8", "--config.train.batch_tokens=2048",
-        "--config.train.eval_tokens=4096", "--config.data.tokenizer_chars=2000000",
-        "--config.train.sample_tokens=8", "--config.train.log_every=1"]
+FAST = ["--config=configs/tiny.py", *TINY_RUN, "--config.train.sample_tokens=8",
+        "--config.train.log_every=1"]
 
 
 def _env():
@@ -157,7 +153,7 @@ def test_corrupt_checkpoint_falls_back_to_previous(tmp_path):
   assert [r["step"] for r in _metrics(wd)][-1] == 22
   # the run directory is the source of truth: a shape it cannot restore is refused by name
   out = _main(wd, "--config.model.n_layer=4")
-  assert out.returncode == 2 and "model.n_layer: the run has 3, asked for 4" in out.stderr
+  assert out.returncode == 2 and "model.n_layer: the run has 2, asked for 4" in out.stderr
   assert "Traceback" not in out.stderr
 
 
