@@ -19,8 +19,6 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["BOV_JAX_TEST_XLA_CACHE"]
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import jax  # noqa: E402  (after XLA_FLAGS)
-
 import pytest  # noqa: E402
 
 

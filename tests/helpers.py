@@ -47,12 +47,12 @@ def init_model(cfg, key):
   return model_lib.init(model_spec(cfg), key)
 
 
-def random_model(cfg, seed=0, scale=0.1):
+def random_model(cfg, seed=0, scale=0.1, backend=None):
   """A model of a config's structure whose every parameter is scale * N(0, 1), drawn by
   numpy: for tests of the forward pass, which need every path live (init leaves the
   output projections at zero) but not the initialisation, which has its own tests and
   would cost each of these a compile."""
-  graphdef, state = nnx.split(model_lib.abstract(model_spec(cfg)))
+  graphdef, state = nnx.split(model_lib.abstract(run_spec(cfg, backend).model))
   rng = np.random.default_rng(seed)
   leaves, tree = jax.tree.flatten(state)
   leaves = [jnp.asarray(scale * rng.standard_normal(x.shape), x.dtype) for x in leaves]
