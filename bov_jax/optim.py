@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 POLAR_EXPRESS = (
@@ -39,11 +40,13 @@ ADAM_GROUPS = {
 # -- schedules (step `it` from 0; jnp so they trace) ----------------------------
 
 def lr_multiplier(it, n, warmup=40, warmdown_ratio=0.65, final_frac=0.05):
+  # a host integer (the loop's log line) is computed by numpy: no device op to compile
+  xp = np if isinstance(it, (int, np.integer)) else jnp
   w = round(warmdown_ratio * n)
-  it = jnp.asarray(it, jnp.float32)
+  it = xp.asarray(it, xp.float32)
   p = (n - it) / max(w, 1)
-  return jnp.where(it < warmup, (it + 1) / warmup,
-                   jnp.where(it <= n - w, 1.0, p + (1 - p) * final_frac))
+  return xp.where(it < warmup, (it + 1) / warmup,
+                  xp.where(it <= n - w, 1.0, p + (1 - p) * final_frac))
 
 
 def muon_momentum(it, n, warmdown_ratio=0.65):

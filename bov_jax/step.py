@@ -128,17 +128,26 @@ class Trainer:
   eval_step: object   # jitted (params, inputs, targets, token_bytes)
 
 
-def build(spec: RunSpec, mesh, num_iterations: int, key=None) -> Trainer:
-  """Parameters and optimizer state on the mesh, and the jitted train and eval steps."""
+def build(spec: RunSpec, mesh, num_iterations: int, key=None, init: bool = True) -> Trainer:
+  """Parameters and optimizer state on the mesh, and the jitted train and eval steps.
+  With init=False (a resume: a checkpoint will replace them) the state is abstract,
+  shapes and shardings only, so nothing is compiled, run or allocated twice."""
   layout = batch_layout(spec)
   key = jax.random.key(spec.train.seed) if key is None else key
-  graphdef, params, p_sh = init_params(spec, mesh, key)
+  if init:
+    graphdef, params, p_sh = init_params(spec, mesh, key)
+  else:
+    graphdef, params, p_sh = abstract_params(spec, mesh)
   tx = optim.make(spec.optim, num_iterations, plan.hyperparams(spec))
   with jax.set_mesh(mesh):
     abstract = jax.eval_shape(tx.init, params)
     specs = sharding.like_params(abstract, sharding.param_specs_of(p_sh), params)
     o_sh = sharding.named(mesh, specs)
-    opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+    if init:
+      opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+    else:
+      opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                               abstract, o_sh)
   batch_sh = sharding.batch_sharding(mesh, leading_dims=2)
   train_step = jax.jit(make_train_step(graphdef, tx),
                        in_shardings=(p_sh, o_sh, batch_sh, batch_sh),

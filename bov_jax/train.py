@@ -64,14 +64,18 @@ def train(spec, workdir: str | None) -> dict:
   tok = run_lib.tokenizer(spec, workdir, train_split)
   fpt = plan.flops_per_token(spec.model)
   n = plan.num_iterations(spec, fpt)
-  trainer = step_lib.build(spec, mesh, n)
+  ckpts = ckpt_lib.Checkpoints(workdir, keep=spec.train.keep_checkpoints) if workdir else None
+  # With checkpoints there, the run restores one (or fails, naming them): the state
+  # to restore into is abstract, never initialised.
+  resuming = ckpts is not None and bool(ckpts.all_steps())
+  trainer = step_lib.build(spec, mesh, n, init=not resuming)
   with jax.set_mesh(mesh):
-    return _Loop(spec, workdir, mesh, trainer, tok, train_split, val_split, n, fpt).run()
+    return _Loop(spec, workdir, mesh, trainer, tok, train_split, val_split, n, fpt, ckpts).run()
 
 
 class _Loop:
 
-  def __init__(self, spec, workdir, mesh, trainer, tok, train_split, val_split, n, fpt):
+  def __init__(self, spec, workdir, mesh, trainer, tok, train_split, val_split, n, fpt, ckpts):
     self.spec, self.workdir, self.mesh, self.trainer, self.tok = spec, workdir, mesh, trainer, tok
     self.n, self.fpt = n, fpt
     t = spec.train
@@ -80,7 +84,7 @@ class _Loop:
     self.it = self._batches(t.seed)
     self.evaluator = bpb.Evaluator(spec, mesh, trainer.eval_step, val_split, tok,
                                    self.layout.local_rows)
-    self.ckpts = ckpt_lib.Checkpoints(workdir, keep=t.keep_checkpoints) if workdir else None
+    self.ckpts = ckpts
     self.params, self.opt_state = trainer.params, trainer.opt_state
     self.tput = metrics.Throughput(t.batch_tokens, fpt, metrics.peak_flops() * jax.device_count())
 

@@ -21,7 +21,7 @@ def main(n: int, pid: int, port: int) -> None:
   from bov_jax import spec as spec_lib
   from bov_jax import step
   from tests.helpers import small_config
-  cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=120, n_layer=3)
+  cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=120, n_layer=2)
   cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 2, 2, 1
   cfg.train.batch_tokens, cfg.train.device_batch_size = 2 * 8 * 64, 2  # two micro-batches
   spec = spec_lib.resolve(cfg)
@@ -34,8 +34,9 @@ def main(n: int, pid: int, port: int) -> None:
           for a in (tokens[..., :-1], tokens[..., 1:]))
   with jax.set_mesh(mesh):
     params, _, out = tr.train_step(tr.params, tr.opt_state, x, y)
-    sums = jax.tree.map(lambda p: (jnp.sum(p.astype(jnp.float32) ** 2),
-                                   jnp.sum(p.astype(jnp.float32))), params)
+    sums = jax.jit(lambda ps: jax.tree.map(lambda p: (jnp.sum(p.astype(jnp.float32) ** 2),
+                                                      jnp.sum(p.astype(jnp.float32))), ps))(
+        params)  # one program for every parameter
   leaves = jax.tree_util.tree_leaves_with_path(sums)
   train, _ = corpus.split(corpus.from_documents([f"d{i}" for i in range(20_000)]), "every_nth",
                          20, 0)

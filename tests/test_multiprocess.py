@@ -47,9 +47,19 @@ def _finish(procs, timeout=300):
   return [p.returncode for p in procs], [o for o, _ in outs], [e for _, e in outs]
 
 
-def _one(args, devices=4, timeout=300):
-  return subprocess.run([sys.executable, "-m", "bov_jax.main", *args], env=_env(devices),
-                        capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+def _one_started(args, log: str, devices=4):
+  """One process of `devices` devices, started, its output to files (nothing waits on a
+  full pipe while another run is followed); _collect waits for it."""
+  with open(log + ".out", "w") as out, open(log + ".err", "w") as err:
+    return subprocess.Popen([sys.executable, "-m", "bov_jax.main", *args], env=_env(devices),
+                            stdout=out, stderr=err, text=True, cwd=ROOT)
+
+
+def _collect(proc, log: str, timeout=300):
+  """(exit code, stdout, stderr) of a process from _one_started."""
+  proc.wait(timeout=timeout)
+  with open(log + ".out") as out, open(log + ".err") as err:
+    return proc.returncode, out.read(), err.read()
 
 
 def _metrics(wd):
@@ -96,8 +106,12 @@ def test_multiprocess_training_checkpoints_across_process_counts_and_preemption(
                                                                                tokenizer):
   two, one, pre = (str(tmp_path / n) for n in ("two", "one", "pre"))
   steps = ["--config.train.num_iterations=12", *tokenizer]
-  # two processes train, as one command line each; only process 0 writes and prints
-  codes, outs, errs = _finish(_start([f"--workdir={two}", *TINY, *steps], 2, _port()))
+  # two processes train, as one command line each; only process 0 writes and prints. Side
+  # by side (independent runs, each waits on its own), one process of four devices trains
+  # the same.
+  started = _start([f"--workdir={two}", *TINY, *steps], 2, _port())
+  alone = _one_started([f"--workdir={one}", *TINY, *steps], one)
+  codes, outs, errs = _finish(started)
   assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
   assert "step 12/12" in outs[0] and "step" not in outs[1]
   m2 = _metrics(two)
@@ -105,19 +119,21 @@ def test_multiprocess_training_checkpoints_across_process_counts_and_preemption(
   events = [f for f in os.listdir(two) if f.startswith("events.out.tfevents")]
   assert len(events) == 1
   assert os.listdir(os.path.join(two, "checkpoints")) == ["12"]
-  # one process of four devices: validation bpb within noise of the two-process run
-  out = _one([f"--workdir={one}", *TINY, *steps])
-  assert out.returncode == 0, out.stderr[-3000:]
+  # the one-process run: validation bpb within noise of the two-process run
+  code, _, err = _collect(alone, one)
+  assert code == 0, err[-3000:]
   m1 = _metrics(one)
   assert m1[-1]["val_bpb"] == pytest.approx(m2[-1]["val_bpb"], rel=0.03)
   # the two-process checkpoint resumes in one process, and the one-process one in two
+  # (side by side again)
   more = ["--config.train.num_iterations=14", *tokenizer]
-  out = _one([f"--workdir={two}", *TINY, *more])
-  assert out.returncode == 0 and "resumed from" in out.stdout, out.stderr[-3000:]
-  assert _metrics(two)[-1]["step"] == 14
+  alone = _one_started([f"--workdir={two}", *TINY, *more], two)
   codes, outs, errs = _finish(_start([f"--workdir={one}", *TINY, *more], 2, _port()))
   assert codes == [0, 0] and "resumed from" in outs[0], errs[0][-3000:]
   assert _metrics(one)[-1]["step"] == 14
+  code, out, err = _collect(alone, two)
+  assert code == 0 and "resumed from" in out, err[-3000:]
+  assert _metrics(two)[-1]["step"] == 14
   # SIGTERM to process 1 alone: both stop after the same step, one checkpoint, exit 75
   procs = _start([f"--workdir={pre}", *TINY, *steps], 2, _port())
   for line in procs[0].stdout:
