@@ -134,20 +134,16 @@ def build(spec: RunSpec, mesh, num_iterations: int, key=None, init: bool = True)
   shapes and shardings only, so nothing is compiled, run or allocated twice."""
   layout = batch_layout(spec)
   key = jax.random.key(spec.train.seed) if key is None else key
-  if init:
-    graphdef, params, p_sh = init_params(spec, mesh, key)
-  else:
-    graphdef, params, p_sh = abstract_params(spec, mesh)
+  graphdef, params, p_sh = (init_params(spec, mesh, key) if init
+                            else abstract_params(spec, mesh))
   tx = optim.make(spec.optim, num_iterations, plan.hyperparams(spec))
   with jax.set_mesh(mesh):
     abstract = jax.eval_shape(tx.init, params)
     specs = sharding.like_params(abstract, sharding.param_specs_of(p_sh), params)
     o_sh = sharding.named(mesh, specs)
-    if init:
-      opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
-    else:
-      opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                               abstract, o_sh)
+    opt_state = (jax.jit(tx.init, out_shardings=o_sh)(params) if init else
+                 jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              abstract, o_sh))
   batch_sh = sharding.batch_sharding(mesh, leading_dims=2)
   train_step = jax.jit(make_train_step(graphdef, tx),
                        in_shardings=(p_sh, o_sh, batch_sh, batch_sh),

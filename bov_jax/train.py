@@ -66,8 +66,11 @@ def train(spec, workdir: str | None) -> dict:
   n = plan.num_iterations(spec, fpt)
   ckpts = ckpt_lib.Checkpoints(workdir, keep=spec.train.keep_checkpoints) if workdir else None
   # With checkpoints there, the run restores one (or fails, naming them): the state
-  # to restore into is abstract, never initialised.
+  # to restore into is abstract, never initialised. Process 0's answer holds for all:
+  # init is one program every process must run, or none.
   resuming = ckpts is not None and bool(ckpts.all_steps())
+  if jax.process_count() > 1:
+    resuming = bool(multihost_utils.broadcast_one_to_all(np.int32(resuming)))
   trainer = step_lib.build(spec, mesh, n, init=not resuming)
   with jax.set_mesh(mesh):
     return _Loop(spec, workdir, mesh, trainer, tok, train_split, val_split, n, fpt, ckpts).run()

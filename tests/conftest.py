@@ -9,9 +9,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Every process of this session (the pytest workers, and the runs the tests start:
 # python -m bov_jax.main, sweep, convert) shares one fresh compilation cache, made by the
 # first process that imports this file and inherited by the workers xdist starts. Most of
-# the suite's time is XLA compiling tiny models (84% in test_model and test_inference), and
-# the same init, step or forward recurs across tests, workers and runs: it is compiled
-# once. Nothing outside the session is read or written.
+# the suite's time is XLA compiling tiny models (docs/performance.md), and the same init,
+# step or forward recurs across tests, workers and runs: it is compiled once. Nothing
+# outside the session is read or written.
 if "BOV_JAX_TEST_XLA_CACHE" not in os.environ:
   os.environ["BOV_JAX_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="bov_jax_test_xla_cache_")
   atexit.register(shutil.rmtree, os.environ["BOV_JAX_TEST_XLA_CACHE"], ignore_errors=True)

@@ -50,7 +50,8 @@ def test_bench_train_fields(tmp_path):
 def test_bench_train_against_the_torch_transcription():
   """--reference=torch (torch is optional: skipped where it is not installed)."""
   import pytest
-  pytest.importorskip("torch")
+  pytest.importorskip("torch", reason="the PyTorch reference is the optional torch extra: "
+                      "pip install -e '.[torch]'")
   ref, rec = _bench("train", *SMALL, "--steps=2", "--warmup=1", "--reference=torch",
                     "--config.train.batch_tokens=1024", "--config.train.device_batch_size=8")
   assert ref["bench"] == "train_torch_reference" and rec["bench"] == "train"

@@ -18,17 +18,11 @@ def _idx(T=40, B=2, seed=0, V=100):
   return jnp.asarray(np.random.default_rng(seed).integers(0, V, (B, T)), jnp.int32)
 
 
-def _perturbed(cfg, seed=0):
-  """A model whose every weight is non-zero (init's are zero for W_o, W_proj, smear), so
-  every path carries signal: random weights of the model's structure."""
-  return random_model(cfg, seed, scale=0.1)
-
-
 @pytest.mark.parametrize("preset", ["gpt_base", "gpt_base_v_from_value_emb_learn",
                                     "gpt_base_add_init_v_learn", "gpt_base_v_from_x0",
                                     "gpt_base_add_init_value_emb_nanogpt"])
 def test_causal(preset):
-  m = _perturbed(small_config(preset))
+  m = random_model(small_config(preset))
   idx = _idx()
   t = 25
   idx2 = idx.at[:, t].set((idx[:, t] + 7) % 100)
@@ -40,7 +34,7 @@ def test_causal(preset):
 def test_sliding_window_limits_what_a_layer_sees():
   """With every layer short (window 8 at T=40) and one layer, a token 9+ back is invisible."""
   cfg = small_config("gpt_base", n_layer=1, window_pattern="S", short_window=8)
-  m = _perturbed(cfg)
+  m = random_model(cfg)
   # the last layer is always full: with n_layer=1 use the attend function directly
   q = jax.random.normal(jax.random.key(0), (1, 20, 4, 16))
   k = jax.random.normal(jax.random.key(1), (1, 20, 2, 16))
@@ -79,7 +73,7 @@ def _layer_values(m, idx):
 
 def test_table_replace_values_do_not_depend_on_context():
   cfg = small_config("gpt_base_v_from_value_emb_learn")  # targets 4, 5
-  m = _perturbed(cfg)
+  m = random_model(cfg)
   idx = _idx(T=30)
   other = idx.at[:, :20].set(_idx(T=20, seed=5))  # a different prefix, same tokens 20..29
   a, b = _layer_values(m, idx), _layer_values(m, other)
@@ -89,7 +83,7 @@ def test_table_replace_values_do_not_depend_on_context():
 
 
 def test_v1_targets_reuse_layer0_values():
-  m = _perturbed(small_config("gpt_base_v_from_v1"))
+  m = random_model(small_config("gpt_base_v_from_v1"))
   vals = _layer_values(m, _idx())
   for layer in (4, 5):
     np.testing.assert_array_equal(vals[layer], vals[0])
@@ -172,9 +166,9 @@ def test_parameter_sets_per_preset():
 
 @pytest.mark.parametrize("preset", ALL_PRESETS)
 def test_every_mode_runs_forward_and_backward(preset):
-  # W_o = 0 at init would zero every value gradient, hence the perturbed weights;
+  # W_o = 0 at init would zero every value gradient, hence random weights;
   # three layers keep compile time down and still give every mode a target.
-  m = _perturbed(small_config(preset, n_layer=3))
+  m = random_model(small_config(preset, n_layer=3))
   graphdef, state = nnx.split(m)
   idx = _idx(T=24)
 
@@ -192,7 +186,7 @@ def test_every_mode_runs_forward_and_backward(preset):
 
 
 def test_loss_ignores_minus_one_targets():
-  m = _perturbed(small_config("gpt_base"))
+  m = random_model(small_config("gpt_base"))
   idx = _idx(T=16)
   tgt = idx.at[:, 8:].set(-1)
   nll = m.token_losses(idx, tgt)
@@ -228,7 +222,7 @@ def test_remat_policies_recompute_and_keep_gradients(preset):
   idx = _idx(T=33, B=2)
   grads, n_dots = {}, {}
   for policy in ("none", "dots", "dots_no_batch", "full"):
-    m = _perturbed(small_config(preset, remat=policy, n_layer=3))
+    m = random_model(small_config(preset, remat=policy, n_layer=3))
     graphdef, state = nnx.split(m)
     params = nnx.to_pure_dict(state)
     f = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p).loss(idx[:, :-1], idx[:, 1:])))

@@ -7,7 +7,8 @@ import optax
 import pytest
 from flax import nnx
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="the PyTorch reference is the optional torch extra: "
+                            "pip install -e '.[torch]'")
 
 from benchmarks import torch_reference  # noqa: E402
 from bov_jax import optim  # noqa: E402
