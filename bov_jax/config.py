@@ -61,10 +61,14 @@ def base_config() -> ml_collections.ConfigDict:
                               # CPU (cache-sized chunks), 2048 elsewhere
   m.table_lookup = "auto"     # auto | shard_map | gather | one_hot (sharding.py)
   m.attention = "auto"        # auto | xla | cudnn | blocks | splash (kernels/attention.py)
+  m.attention_block = 0       # Splash attention's block rows (0: 512; a divisor of the
+                              # sequence length is taken)
   m.decode_attention = "auto" # auto | xla | fused: a bank layer's decode step with the
                               # table gather inside the attention kernel (kernels/bank_decode.py)
   m.remat = "none"            # none | dots | dots_no_batch | full: what each layer's
                               # backward recomputes instead of storing
+  m.scan = True               # repeated blocks of layers run under one lax.scan, so the
+                              # compile time does not grow with depth (false: unrolled)
   m.value = v = ml_collections.ConfigDict()
   v.preset = ""               # a reference model_type name; sets the four below
   v.source = config_dict.placeholder(str)    # residual | x0 | v1 | table
@@ -220,6 +224,9 @@ def validate(cfg) -> None:
   _choice("model.embedding_dtype", m.embedding_dtype, ("auto",) + DTYPES)
   if m.loss_chunk < 0:
     raise ConfigError(f"model.loss_chunk={m.loss_chunk}: expected >= 0 (0 = by backend)")
+  if m.attention_block < 0 or m.attention_block % 128:
+    raise ConfigError(f"model.attention_block={m.attention_block}: expected 0 (512) or a "
+                      "multiple of 128")
   if m.short_window < 0:
     raise ConfigError(f"model.short_window={m.short_window}: expected >= 0 (0 = reference rule)")
   _choice("optim.polar_dtype", cfg.optim.polar_dtype, POLAR_DTYPES)

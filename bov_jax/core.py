@@ -189,11 +189,12 @@ class Scorer:
 
     @jax.jit
     def score(params, ids):
-      logits = nnx.merge(graphdef, params)(ids)  # [N, L, V] fp32
+      model = nnx.merge(graphdef, params)
+      logits = model(ids)  # [N, L, V] fp32
       logz = jax.nn.logsumexp(logits, axis=-1)
       tgt = jnp.roll(ids, -1, axis=1)
       nll = logz - jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]
-      return nll, greedy(logits)  # position i predicts token i+1
+      return nll, greedy(logits, model.spec.sampler)  # position i predicts token i+1
 
     self.score = score
 

@@ -66,6 +66,21 @@ def prefill(model, prompts_BP, lengths_B, context: int):
   return jnp.take_along_axis(logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0], cache
 
 
+def extend(model, ids_BC, cache):
+  """C more tokens of every sequence into the cache at its positions (a chunk of a
+  prefill): (the last one's logits [B, V], cache)."""
+  logits, cache = model(ids_BC, cache)
+  return logits[:, -1], cache
+
+
+def decode_step(model, last_BV, cache, key, temperature: float = 0.0, top_k: int = 0):
+  """One token per sequence chosen from the last logits and run: (tokens [B], their
+  logits [B, V], cache)."""
+  tok = sample_logits(last_BV, key, temperature, top_k, model.spec.sampler)
+  logits, cache = model(tok[:, None], cache)
+  return tok, logits[:, 0], cache
+
+
 def decode(model, last_BV, cache, key, n: int, temperature: float = 0.0, top_k: int = 0):
   """n tokens per sequence, one decode step each inside a fori_loop. Returns
   ([B, n] ids, cache)."""
@@ -73,10 +88,9 @@ def decode(model, last_BV, cache, key, n: int, temperature: float = 0.0, top_k: 
 
   def body(t, carry):
     last, cache, out = carry
-    tok = sample_logits(last, jax.random.fold_in(key, t), temperature, top_k)
-    out = out.at[:, t].set(tok)
-    logits, cache = model(tok[:, None], cache)
-    return logits[:, 0], cache, out
+    tok, last, cache = decode_step(model, last, cache, jax.random.fold_in(key, t), temperature,
+                                   top_k)
+    return last, cache, out.at[:, t].set(tok)
 
   _, cache, out = jax.lax.fori_loop(0, n, body, (last_BV, cache, out))
   return out, cache
@@ -110,9 +124,10 @@ def generate_uncached(graphdef, params, prompt_ids, max_new_tokens: int, context
 
   @jax.jit
   def next_token(params, buf, pos, key):
-    logits = nnx.merge(graphdef, params)(buf)  # [1, T, V]
+    model = nnx.merge(graphdef, params)
+    logits = model(buf)  # [1, T, V]
     last = jax.lax.dynamic_index_in_dim(logits, pos - 1, axis=1, keepdims=False)
-    return sample_logits(last, key, temperature, top_k)
+    return sample_logits(last, key, temperature, top_k, model.spec.sampler)
 
   key = jax.random.key(seed)
   out = []

@@ -2,22 +2,29 @@
 Section 5: inference without a value cache for bank layers).
 
 The cache, per sequence of the batch, up to `context` positions:
-  k[i]    keys of every layer i, a row per sequence and kv head   [B * K, S, E]
-          (`attention.kv_rows`: the layout attention's matmuls read)
-  v[i]    values, only for layers that compute their own (`LayerValue.computes_v`):
-          a bank layer stores none and gathers gamma * E_i[ids] when it runs; a
-          V1-replace layer reads layer 0's values instead of storing them again
+  layers  per stage of the model (spec.Stage), per layer position j of its block:
+          {"k": keys [R, B * K, S, E], "v": values, likewise}, R the stage's repeats:
+          a scanned stage carries its layers' caches stacked, and each layer
+          writes its new positions in place. Rows B * K: one per sequence and kv
+          head (`attention.kv_rows`, the layout attention's matmuls read). Values
+          only for layers that compute their own (`LayerValue.computes_v`): a bank
+          layer stores none and gathers gamma * E_i[ids] when it runs; a V1-replace
+          layer reads layer 0's values instead of storing them again
   ids     the token ids, once for the whole model (only when a bank layer exists)
   prev    the previous token's pre-smear embedding (the smear gate needs it)
   pos     how many positions each sequence holds
 
 The model's one forward (`GPT.__call__` with a cache) calls `begin`, then `attend`
-in every layer, then `end`. A decode step (one new token) of a sliding-window
-layer reads only its window of the cache (`_window`); a bank layer's can gather
-inside the attention kernel (`kernels/bank_decode.py`, `model.decode_attention`).
+in every layer, which takes its part of the cache as a value and returns it
+updated, then `end`. A decode step (one new token) of a sliding-window layer reads
+only its window of the cache (`_window`); a bank layer's can gather inside the
+attention kernel (`kernels/bank_decode.py`, `model.decode_attention`).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,21 +35,75 @@ from bov_jax.kernels import attention
 from bov_jax.kernels import bank_decode
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerSettings:
+  """What `attend` needs to know of a layer (static)."""
+  lv: values.LayerValue
+  window: int
+  n_kv_head: int
+  group: int               # query heads per kv head
+  head_dim: int
+  table_lookup: str
+  decode_attention: str    # xla | fused (model.decode_attention, resolved for the target)
+  decode_kernel: str       # tpu | gpu
+  decode_interpret: bool
+
+
+def layer_settings(spec, lv, window: int) -> LayerSettings:
+  return LayerSettings(lv, window, spec.n_kv_head, spec.n_head // spec.n_kv_head,
+                       spec.head_dim, spec.table_lookup, spec.decode_attention,
+                       spec.decode_kernel, spec.decode_interpret)
+
+
+class LayerCache(NamedTuple):
+  """One layer's view of the cache: its stage's entry for the layer's block position
+  (stacked over repeats), the repeat r it is, and what every layer reads."""
+  entry: dict           # {"k": [R, N, S, E], "v": ... where the layer keeps values}
+  r: object             # repeat index (int or traced)
+  whole: dict           # the cache: "pos", "ids"
+  v1_entry: dict | None  # layer 0's entry (V1-replace layers read its values)
+
+
 def init(model, batch: int, context: int) -> dict:
-  """An empty cache for `batch` sequences of up to `context` positions."""
-  s = model.spec
-  K, E = s.n_kv_head, s.head_dim
-  dt = model.compute_dtype
-  cache = {
-      "k": [jnp.zeros((batch * K, context, E), dt) for _ in range(s.n_layer)],
-      "v": {str(i): jnp.zeros((batch * K, context, E), dt)
-            for i, lv in enumerate(s.layers) if lv.computes_v},
-      "prev": jnp.zeros((batch, s.n_embd), dt),
-      "pos": jnp.zeros((batch,), jnp.int32),
-  }
-  if any(lv.is_bank for lv in s.layers):
+  """An empty cache for `batch` sequences of up to `context` positions (of the model's
+  shapes: a model or its abstract structure)."""
+  spec, dtype = model.spec, model.compute_dtype
+  K, E = spec.n_kv_head, spec.head_dim
+  rows = lambda R: jnp.zeros((R, batch * K, context, E), dtype)
+  layers = []
+  for stage in spec.stages:
+    entries = []
+    for j in range(stage.period):
+      lv = spec.layers[stage.start + j]
+      entries.append({"k": rows(stage.repeats), **({"v": rows(stage.repeats)}
+                                                   if lv.computes_v else {})})
+    layers.append(entries)
+  cache = {"layers": layers, "prev": jnp.zeros((batch, spec.n_embd), dtype),
+           "pos": jnp.zeros((batch,), jnp.int32)}
+  if any(lv.is_bank for lv in spec.layers):
     cache["ids"] = jnp.zeros((batch, context), jnp.int32)
   return cache
+
+
+def by_layer(spec, cache: dict) -> list[dict]:
+  """Layer i's part of the cache, {"k": [B * K, S, E], "v": ... where it keeps values},
+  for i in order (for reading a cache; the model reads its stages whole)."""
+  out = [None] * spec.n_layer
+  for stage, entries in zip(spec.stages, cache["layers"]):
+    for j, entry in enumerate(entries):
+      for r, i in enumerate(stage.layers(j)):
+        out[i] = {name: buf[r] for name, buf in entry.items()}
+  return out
+
+
+def logical_axes(cache: dict) -> dict:
+  """The cache's logical axis names (sharding.RULES), a tuple per leaf: every buffer is
+  split by sequence (its rows b * K + h, b-major, split as the batch is)."""
+  def axes(path, x):
+    if path[0].key == "layers":
+      return (None, "batch", None, None)
+    return ("batch",) + (None,) * (x.ndim - 1)
+  return jax.tree_util.tree_map_with_path(axes, cache)
 
 
 def nbytes(cache: dict) -> int:
@@ -55,13 +116,20 @@ def _write(buf, new, start):
       buf, new, start)
 
 
+def _write_layer(buf_RNSE, new_NTE, r, start_N):
+  """buf[r, n, start[n]:start[n]+T] = new[n]: one scatter into the stacked buffer, so a
+  scanned stage's cache is updated where it lies."""
+  N, T = new_NTE.shape[:2]
+  pos = start_N[:, None] + jnp.arange(T)[None, :]
+  return buf_RNSE.at[r, jnp.arange(N)[:, None], pos].set(new_NTE, unique_indices=True)
+
+
 def begin(cache, idx_BT):
-  """(a copy of the cache holding the new ids, their positions [B, T], the pre-smear
-  embedding before each sequence's first new token or 0 where there is none)."""
+  """(the cache holding the new ids, their positions [B, T], the pre-smear embedding
+  before each sequence's first new token or 0 where there is none)."""
   start = cache["pos"]
-  cache = dict(cache, k=list(cache["k"]), v=dict(cache["v"]))
   if "ids" in cache:
-    cache["ids"] = _write(cache["ids"], idx_BT.astype(jnp.int32), start)
+    cache = dict(cache, ids=_write(cache["ids"], idx_BT.astype(jnp.int32), start))
   pos = start[:, None] + jnp.arange(idx_BT.shape[1])[None, :]
   return cache, pos, jnp.where((start > 0)[:, None], cache["prev"], 0)
 
@@ -72,22 +140,22 @@ def end(cache, last_pre_BD, T: int):
   return dict(cache, prev=last_pre_BD, pos=cache["pos"] + T)
 
 
-def _values(attn, cache, table, rows, seqs):
+def _values(ls: LayerSettings, c: LayerCache, table, coeffs, rows, seqs):
   """Values of the cached positions for a layer (bank and V1 layers rebuild them).
   `rows` and `seqs` cut a [B * K, S, E] buffer and the [B, S] ids to the positions
   attention reads (all of them, or a sliding window's: `_window`)."""
-  lv = attn.lv
+  lv = ls.lv
   if lv.computes_v:
-    return rows(cache["v"][str(attn.index)])
+    return rows(c.entry["v"][c.r])
   if lv.source == "v1":
-    return values.combine(lv, None, rows(cache["v"]["0"]), attn.coefficients())
-  ids = seqs(cache["ids"])
+    return values.combine(lv, None, rows(c.v1_entry["v"][0]), coeffs)
+  ids = seqs(c.whole["ids"])
   B, S = ids.shape
-  vals = sharding.table_lookup(table, ids, attn.table_lookup)
-  vals = vals.astype(cache["k"][0].dtype).reshape(B, S, attn.n_kv_head, attn.head_dim)
+  vals = sharding.table_lookup(table, ids, ls.table_lookup)
+  vals = vals.astype(c.entry["k"].dtype).reshape(B, S, ls.n_kv_head, ls.head_dim)
   # XLA writes the gathered rows straight into the layout attention reads (the
   # transpose folds into the gather).
-  return values.combine(lv, None, attention.kv_rows(vals), attn.coefficients())
+  return values.combine(lv, None, attention.kv_rows(vals), coeffs)
 
 
 def _window(window: int, start_B, S: int, K: int):
@@ -105,37 +173,39 @@ def _window(window: int, start_B, S: int, K: int):
           lo_B[:, None] + jnp.arange(W)[None, :])
 
 
-def fused_bank(attn, batch: int, context: int, table, dtype) -> bool:
+def fused_bank(ls: LayerSettings, batch: int, context: int, table_shape) -> bool:
   """Whether this layer's decode step runs `bank_decode`'s kernel (a bank layer whose
   gather it fuses; `model.decode_attention`)."""
-  if not attn.lv.is_bank:
+  if not ls.lv.is_bank:
     return False
-  return bank_decode.kernel_for(
-      attn.decode_kernel, context, attn.head_dim, attn.table_lookup, batch, table.shape[0],
-      n_kv_head=attn.n_kv_head, group=attn.n_head // attn.n_kv_head, window=attn.window,
-      dtype=dtype, table_dtype=table.dtype) == "fused"
+  return bank_decode.kernel_for(ls.decode_attention, context, ls.head_dim, ls.table_lookup,
+                                batch, table_shape, platform=ls.decode_kernel) == "fused"
 
 
-def attend(attn, q_BTHE, k_BTKE, v_BTKE, cache, table=None):
-  """Layer `attn.index`'s attention [B, T, H * E] of T new positions per sequence over
-  the cache, after writing their keys (and values, where the layer keeps them).
-  Returns (output, cache)."""
-  i, K = attn.index, attn.n_kv_head
+def attend(ls: LayerSettings, q_BTHE, k_BTKE, v_BTKE, c: LayerCache, table=None,
+           coeffs=None):
+  """A layer's attention [B, T, H * E] of T new positions per sequence over the cache,
+  after writing their keys (and values, where the layer keeps them). Returns
+  (output, the layer's stage entry updated)."""
+  K = ls.n_kv_head
   B, T = q_BTHE.shape[:2]
-  start = cache["pos"]
+  coeffs = coeffs or {}
+  start = c.whole["pos"]
   start_N = jnp.repeat(start, K)  # each kv-head row's sequence
-  cache["k"][i] = _write(cache["k"][i], attention.kv_rows(k_BTKE), start_N)
-  if attn.lv.computes_v:
-    cache["v"][str(i)] = _write(cache["v"][str(i)], attention.kv_rows(v_BTKE), start_N)
-  S = cache["k"][i].shape[1]
-  if T == 1 and fused_bank(attn, B, S, table, q_BTHE.dtype):
-    coeffs = attn.coefficients()
-    y = bank_decode.attend(q_BTHE, cache["k"][i], cache["ids"], table, start, attn.window,
-                           coeffs.get("gamma"))
-    return y, cache
-  cut = _window(attn.window, start, S, K) if T == 1 else None
+  entry = dict(c.entry, k=_write_layer(c.entry["k"], attention.kv_rows(k_BTKE), c.r, start_N))
+  if ls.lv.computes_v:
+    entry["v"] = _write_layer(entry["v"], attention.kv_rows(v_BTKE), c.r, start_N)
+  c = c._replace(entry=entry)
+  keys = entry["k"][c.r]
+  S = keys.shape[1]
+  if T == 1 and fused_bank(ls, B, S, None if table is None else table.shape):
+    y = bank_decode.attend(q_BTHE, keys, c.whole["ids"], table, start, ls.window,
+                           coeffs.get("gamma"), kernel=ls.decode_kernel,
+                           interpret=ls.decode_interpret)
+    return y, entry
+  cut = _window(ls.window, start, S, K) if T == 1 else None
   rows, seqs, kpos = cut or (lambda x: x, lambda x: x, jnp.broadcast_to(jnp.arange(S), (B, S)))
   pos = start[:, None] + jnp.arange(T)[None, :]
-  y = attention.attend(q_BTHE, rows(cache["k"][i]), _values(attn, cache, table, rows, seqs),
-                       pos, kpos, attn.window)
-  return y, cache
+  y = attention.attend(q_BTHE, rows(keys), _values(ls, c, table, coeffs, rows, seqs),
+                       pos, kpos, ls.window)
+  return y, entry

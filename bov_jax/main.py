@@ -16,13 +16,18 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-MODES = ("train", "plan", "eval", "sample")
+MODES = ("train", "plan", "eval", "sample", "compile")
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.py"),
     "ml_collections config file (optional with a --workdir that holds a run).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, tokenizer).")
 _MODE = flags.DEFINE_enum("mode", "train", MODES, "What to do.")
+_TOPOLOGY = flags.DEFINE_string(
+    "topology", None, "--mode=compile: the TPU slice, as gcloud's accelerator types "
+    "(v5p-64, v5e-16 or v5litepod-16, v6e-8, v4-32, ...).")
+_PROGRAMS = flags.DEFINE_list(
+    "programs", ["train", "eval", "decode"], "--mode=compile: which programs to compile.")
 _DISTRIBUTED = flags.DEFINE_enum(
     "distributed", "auto", ("auto", "true", "false"),
     "Start JAX's multi-process runtime (auto: when a coordinator is given, or on a "
@@ -101,6 +106,8 @@ def run(mode: str, cfg, workdir: str | None) -> int:
   from bov_jax import spec as spec_lib
   from bov_jax import train
   try:
+    if mode == "compile":
+      return compile_for(cfg, _TOPOLOGY.value, _PROGRAMS.value)
     spec = spec_lib.resolve(cfg)
     if mode == "plan":
       from bov_jax import plan
@@ -126,6 +133,26 @@ def run(mode: str, cfg, workdir: str | None) -> int:
     return 1
 
 
+def compile_for(cfg, topology: str | None, programs) -> int:
+  """--mode=compile: the run's programs compiled for a TPU slice on this host; exit 0
+  when all fit, 1 when one does not, 2 on bad input."""
+  import jax
+  from bov_jax import aot
+  from bov_jax import spec as spec_lib
+  if not topology:
+    raise ValueError("--mode=compile needs --topology=NAME (a TPU slice such as v5p-64; known: "
+                     + ", ".join(aot.known_topologies()) + ")")
+  jax.config.update("jax_enable_compilation_cache", False)  # compile_s is a real compile
+  try:
+    report = aot.run(spec_lib.resolve(cfg, backend="tpu"), topology, programs)
+  except aot.TopologyError as e:
+    raise ValueError(str(e)) from None
+  if not report["fits"]:
+    print(f"error: {aot.overflow_message(report)}", file=sys.stderr)
+  _print_json(report)
+  return 0 if report["fits"] else 1
+
+
 def main(argv):
   # orbax and grain log every file operation at INFO; keep the console to our progress lines
   logging.set_verbosity(logging.WARNING)
@@ -136,7 +163,7 @@ def main(argv):
   except ValueError as e:  # the run directory is not one (a file, say)
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  dist = distributed_settings() if _MODE.value != "plan" else None
+  dist = distributed_settings() if _MODE.value not in ("plan", "compile") else None
   if dist is not None:
     start_distributed(dist)
   sys.exit(run(_MODE.value, cfg, _WORKDIR.value))

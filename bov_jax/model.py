@@ -7,14 +7,16 @@ V (padded) vocabulary, F MLP width.
 One forward serves training, prefill and decoding: `Block.__call__` takes an
 optional decoding cache (kvcache.py), and `GPT.__call__` with a cache runs the new
 tokens against it. Parameters carry logical axis names (`logical=`); sharding.py
-maps them to mesh axes. Modules create zero-filled parameters; `init_weights` is
-the whole initialisation in one function, as in nanochat, and `init` the one way
-to build an initialised model.
+maps them to mesh axes. Layers run as stages (spec.Stage): a block of layers that
+repeats runs under one `lax.scan`, so compile time does not grow with depth.
+Modules create zero-filled parameters; `initialize.init_weights` is the whole
+initialisation in one function, as in nanochat, and `init` the one way to build an
+initialised model.
 """
 
 from __future__ import annotations
 
-import zlib
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,12 +71,9 @@ class Attention(nnx.Module):
   def __init__(self, spec: ModelSpec, index: int):
     D, H, K, E = spec.n_embd, spec.n_head, spec.n_kv_head, spec.head_dim
     pd = jnp.dtype(spec.param_dtype)
-    self.index = index
     self.lv = spec.layers[index]
     self.window = spec.windows[index]
-    self.kernel = spec.attention
-    self.decode_kernel = spec.decode_attention
-    self.table_lookup = spec.table_lookup
+    self.spec = spec  # static: the kernels' resolved settings
     self.n_head, self.n_kv_head, self.head_dim = H, K, E
     self.wq = _param((D, H * E), ("embed", "q_heads"), pd)
     self.wk = _param((D, K * E), ("embed", "kv_heads"), pd)
@@ -86,7 +85,7 @@ class Attention(nnx.Module):
 
   def project_v(self, x_BTD):
     B, T, _ = x_BTD.shape
-    return mm(x_BTD, self.wv[...]).reshape(B, T, self.n_kv_head, self.head_dim)
+    return mm(x_BTD, self.wv[...], self.spec.matmul).reshape(B, T, self.n_kv_head, self.head_dim)
 
   def qkv(self, x_BTD, rope_cs, v_tilde_BTKE=None):
     """Queries, keys and values of the new positions (rotary and QK-norm applied; the
@@ -96,7 +95,7 @@ class Attention(nnx.Module):
     # One matmul for q, k (and v): fewer, larger matmuls run faster, and the
     # concatenated weight is small next to the activations.
     ws = [self.wq[...], self.wk[...]] + ([self.wv[...]] if self.lv.uses_v else [])
-    qkv = mm(x_BTD, jnp.concatenate(ws, axis=1).astype(x_BTD.dtype))
+    qkv = mm(x_BTD, jnp.concatenate(ws, axis=1).astype(x_BTD.dtype), self.spec.matmul)
     q = qkv[..., :H * E].reshape(B, T, H, E)
     k = qkv[..., H * E:(H + K) * E].reshape(B, T, K, E)
     v = qkv[..., (H + K) * E:].reshape(B, T, K, E) if self.lv.uses_v else None
@@ -111,13 +110,17 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BTD, rope_cs, v_tilde_BTKE=None, cache=None, table=None):
     """(output [B, T, D], values attended over [B, T, K, E], cache). Without a cache the
-    sequence attends over itself; with one, the new positions over the cache."""
+    sequence attends over itself; with one (a `kvcache.LayerCache`), the new positions
+    over it, and the updated cache comes back."""
     q, k, v = self.qkv(x_BTD, rope_cs, v_tilde_BTKE)
+    s = self.spec
     if cache is None:
-      y = attention.self_attend(q, k, v, self.window, self.kernel)
+      y = attention.self_attend(q, k, v, self.window, s.attention,
+                                interpret=s.splash_interpret, block=s.attention_block)
     else:
-      y, cache = kvcache.attend(self, q, k, v, cache, table)
-    return mm(y, self.wo[...]), v, cache
+      y, cache = kvcache.attend(kvcache.layer_settings(s, self.lv, self.window), q, k, v,
+                                cache, table, self.coefficients())
+    return mm(y, self.wo[...], s.matmul), v, cache
 
 
 class MLP(nnx.Module):
@@ -125,12 +128,13 @@ class MLP(nnx.Module):
   def __init__(self, spec: ModelSpec):
     D = spec.n_embd
     pd = jnp.dtype(spec.param_dtype)
+    self.matmul = spec.matmul
     self.w_fc = _param((D, 4 * D), ("embed", "mlp"), pd)
     self.w_proj = _param((4 * D, D), ("mlp", "embed"), pd)
 
   def __call__(self, x_BTD):
-    h = jnp.square(jax.nn.relu(mm(x_BTD, self.w_fc[...])))
-    return mm(h, self.w_proj[...])
+    h = jnp.square(jax.nn.relu(mm(x_BTD, self.w_fc[...], self.matmul)))
+    return mm(h, self.w_proj[...], self.matmul)
 
 
 class Block(nnx.Module):
@@ -146,6 +150,10 @@ class Block(nnx.Module):
     return x + self.mlp(rmsnorm(x)), v, cache
 
 
+def _stack(trees):
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
 class GPT(nnx.Module):
 
   def __init__(self, spec: ModelSpec):
@@ -158,9 +166,11 @@ class GPT(nnx.Module):
     self.lm_head = _param((D, Vp), ("embed", "vocab"), pd)
     self.smear_w = _param((SMEAR_CHANNELS,), (None,), pd)
     self.smear_lambda = _param((), (), pd)
+    # Parameters are kept per layer (checkpoints, the optimizer, convert and report see
+    # layer i as blocks/i); a scanned stage stacks its layers' weights as it runs them.
     self.blocks = nnx.List([Block(spec, i) for i in range(spec.n_layer)])
     self.tables = nnx.Dict({name: _param((Vp, spec.n_kv_head * spec.head_dim),
-                                         ("table_vocab", "kv_heads"), ed)
+                                         ("table_vocab", "table_width"), ed)
                             for name in sorted(set(self.table_of.values()))})
 
   # -- forward ---------------------------------------------------------------
@@ -187,17 +197,18 @@ class GPT(nnx.Module):
     """Layer i's value table [V, K * E], or None."""
     return self.tables[self.table_of[i]][...] if i in self.table_of else None
 
-  def v_tilde(self, i, x0n_BTD, v1_BTKE, idx_BT):
-    """The context-free value V~ of target layer i."""
-    lv = self.blocks[i].attn.lv
+  def v_tilde(self, attn, x0n_BTD, v1_BTKE, idx_BT, table):
+    """The context-free value V~ of a target layer (`attn` its attention, `table` its
+    value table)."""
+    lv = attn.lv
     if not lv.target or lv.source == "residual":
       return None
     if lv.source == "x0":
-      return self.blocks[i].attn.project_v(x0n_BTD)
+      return attn.project_v(x0n_BTD)
     if lv.source == "v1":
       return v1_BTKE
     B, T = idx_BT.shape
-    rows = sharding.table_lookup(self.table(i), idx_BT, self.spec.table_lookup)
+    rows = sharding.table_lookup(table, idx_BT, self.spec.table_lookup)
     return rows.astype(self.compute_dtype).reshape(B, T, self.spec.n_kv_head, self.spec.head_dim)
 
   def hidden(self, idx_BT, cache=None):
@@ -209,23 +220,76 @@ class GPT(nnx.Module):
     else:
       cache, pos, prev = kvcache.begin(cache, idx_BT)
     x, last_pre = self.embed(idx_BT, prev)
+    x = sharding.constrain(x, ("batch", None, None))
     x0n = rmsnorm(x)
-    cs = rope(pos, self.spec.head_dim)
-    policy = config_lib.REMAT_POLICIES[self.spec.remat]
-    v1 = None
-    for i, block in enumerate(self.blocks):
-      vt = self.v_tilde(i, x0n, v1, idx_BT)
-      if cache is None and self.spec.remat != "none":
-        layer = jax.checkpoint(lambda x, vt, block=block: block(x, cs, vt)[:2],
-                               policy=getattr(jax.checkpoint_policies, policy))
-        x, v = layer(x, vt)
-      else:
-        x, v, cache = block(x, cs, vt, cache, self.table(i))
-      if i == 0:
-        v1 = v
+    ctx = _Inputs(rope(pos, self.spec.head_dim), x0n, idx_BT, cache)
+    stages = []
+    for n, stage in enumerate(self.spec.stages):
+      x, stage_cache, v = self._stage(stage, x, ctx, None if cache is None else cache["layers"][n])
+      stages.append(stage_cache)
+      if stage.start == 0:  # layer 0's values: V1 for the V1 modes
+        ctx = ctx._replace(v1=v, v1_cache=None if stage_cache is None else stage_cache[0])
     if cache is None:
       return rmsnorm(x)
-    return rmsnorm(x), kvcache.end(cache, last_pre, T)
+    return rmsnorm(x), kvcache.end(dict(cache, layers=stages), last_pre, T)
+
+  def _stage(self, stage, x, ctx, cache):
+    """Runs a stage's layers: unrolled when it has one repeat, else one block of
+    `period` layers under a lax.scan over the repeats, with its layers' weights and
+    value tables stacked (a shared table is read by all as it is). Returns (x, the
+    stage's cache, the first layer's values: layer 0's when the stage starts there)."""
+    P, R = stage.period, stage.repeats
+    graphdefs = [nnx.graphdef(self.blocks[stage.start + j]) for j in range(P)]
+    weights = [_stack([nnx.state(self.blocks[i]) for i in stage.layers(j)]) for j in range(P)]
+    shared = self.spec.value.shared_table
+    per_repeat = [self.table(stage.start + j) is not None and not shared for j in range(P)]
+    tables = [jnp.stack([self.table(i) for i in stage.layers(j)]) if per_repeat[j]
+              else self.table(stage.start + j) for j in range(P)]
+
+    def block(x, r, weights_r, tables_r, cache):
+      """The P layers of repeat r (their weights, and per-repeat tables, sliced to it)."""
+      cache = None if cache is None else list(cache)
+      first = None
+      for j in range(P):
+        table = tables_r[j] if per_repeat[j] else tables[j]
+        x, v, c = self._layer(graphdefs[j], weights_r[j], x, ctx, table,
+                              None if cache is None else (cache[j], r))
+        if cache is not None:
+          cache[j] = c
+        first = v if j == 0 else first
+        x = sharding.constrain(x, ("batch", None, None))
+      return x, cache, first
+
+    if R == 1:
+      return block(x, 0, [jax.tree.map(lambda a: a[0], w) for w in weights],
+                   [t[0] if rep else None for t, rep in zip(tables, per_repeat)], cache)
+
+    def body(carry, xs):
+      x, cache = carry
+      x, cache, _ = block(x, *xs, cache)
+      return (x, cache), None
+
+    xs = (jnp.arange(R), weights, [t if rep else None for t, rep in zip(tables, per_repeat)])
+    (x, cache), _ = jax.lax.scan(body, (x, cache), xs)
+    return x, cache, None
+
+  def _layer(self, graphdef, weights, x, ctx, table, cache):
+    """One layer (its weights a state of `graphdef`) with remat per model.remat when
+    training. cache: (the stage's LayerCache for this layer's position, repeat r)."""
+    def run(weights, x, table):
+      block = nnx.merge(graphdef, weights)
+      vt = self.v_tilde(block.attn, ctx.x0n, ctx.v1, ctx.idx, table)
+      if cache is None:
+        x, v, _ = block(x, ctx.rope, vt)
+        return x, v, None
+      entry, r = cache
+      layer_cache = kvcache.LayerCache(entry, r, ctx.cache, ctx.v1_cache)
+      return block(x, ctx.rope, vt, layer_cache, table)
+
+    if cache is None and self.spec.remat != "none":
+      policy = getattr(jax.checkpoint_policies, config_lib.REMAT_POLICIES[self.spec.remat])
+      return jax.checkpoint(run, policy=policy)(weights, x, table)
+    return run(weights, x, table)
 
   def logits(self, h_BTD):
     """fp32 soft-capped logits over the real vocabulary."""
@@ -260,6 +324,16 @@ class GPT(nnx.Module):
     return total / jnp.maximum(jnp.sum(targets_BT >= 0), 1)
 
 
+class _Inputs(NamedTuple):
+  """What every layer of one forward reads besides the residual stream."""
+  rope: tuple
+  x0n: jax.Array
+  idx: jax.Array
+  cache: dict | None = None     # the whole cache (positions, ids), with one
+  v1: jax.Array | None = None   # layer 0's values (V1 modes)
+  v1_cache: object = None       # layer 0's stage cache (V1 modes, decoding)
+
+
 class _FrozenDict(dict):
   """A dict that hashes, for static model attributes."""
 
@@ -267,90 +341,7 @@ class _FrozenDict(dict):
     return hash(tuple(sorted(self.items())))
 
 
-# -- initialisation ----------------------------------------------------------
-
-def init_weights(model: GPT, key) -> None:
-  """The whole initialisation (the reference's init_weights), in place.
-
-  Every tensor draws from its own key, folded from its name, so two value modes
-  built from the same seed share every weight they have in common (this is what
-  makes BoV at init equal x0-replace at init).
-  """
-  D = model.spec.n_embd
-  s = np.sqrt(3.0) / np.sqrt(D)
-  # What each tensor draws: name -> (distribution, shape, a, b), drawn together below.
-  draws = {"wte": ("normal", model.wte.shape, 0.8, 0.0),
-           "lm_head": ("normal", model.lm_head.shape, 0.001, 0.0),
-           "smear_w": ("uniform", model.smear_w.shape, 0.0, 0.02)}
-  for i, block in enumerate(model.blocks):
-    a = block.attn
-    draws[f"h{i}.wq"] = ("uniform", a.wq.shape, -s, s)
-    draws[f"h{i}.wk"] = ("uniform", a.wk.shape, -s, s)
-    # Every layer draws its W_v, owned or not: a table is initialised from it.
-    draws[f"h{i}.wv"] = ("uniform", (D, a.n_kv_head * a.head_dim), -s, s)
-    if a.gate is not None:
-      draws[f"h{i}.gate"] = ("uniform", a.gate.shape, 0.0, 0.02)
-    draws[f"h{i}.w_fc"] = ("uniform", block.mlp.w_fc.shape, -0.4 * s, 0.4 * s)
-  # Value tables: aligned init E_l[t] = rmsnorm(wte[t]) @ W_v,l in fp32, so the first
-  # forward pass equals x0-replace; a shared table uses the first target's W_v.
-  # The gated variant draws U(-s, s) instead.
-  first_target = {}
-  for layer, name in sorted(model.table_of.items()):
-    first_target.setdefault(name, layer)
-  gated = model.spec.value.combine == "gated_add"
-  if gated:
-    for name in first_target:
-      draws[f"table.{name}"] = ("uniform", model.tables[name].shape, -s, s)
-  r = _draw(key, draws)  # float32, whatever the stored dtype
-
-  def set_(p, value):
-    p.set_value(value.astype(p.dtype))
-
-  set_(model.wte, r["wte"])
-  set_(model.lm_head, r["lm_head"])
-  set_(model.smear_lambda, jnp.zeros(()))
-  set_(model.smear_w, r["smear_w"])
-  for i, block in enumerate(model.blocks):
-    a = block.attn
-    set_(a.wq, r[f"h{i}.wq"])
-    set_(a.wk, r[f"h{i}.wk"])
-    if a.wv is not None:
-      set_(a.wv, r[f"h{i}.wv"])
-    set_(a.wo, jnp.zeros(a.wo.shape))
-    for name, p in a.coeffs.items():
-      set_(p, jnp.asarray(0.0 if name == "beta" else 1.0))
-    if a.gate is not None:
-      set_(a.gate, r[f"h{i}.gate"])
-    set_(block.mlp.w_fc, r[f"h{i}.w_fc"])
-    set_(block.mlp.w_proj, jnp.zeros(block.mlp.w_proj.shape))
-  for name, layer in first_target.items():
-    table = model.tables[name]
-    set_(table, r[f"table.{name}"] if gated else rmsnorm(r["wte"]) @ r[f"h{layer}.wv"])
-
-
-def _draw(key, draws):
-  """{name: ("normal" or "uniform", shape, a, b)} -> {name: float32 array}: std a * N(0, 1),
-  or U(a, b), each from fold_in(key, crc32(name)). Tensors of one distribution and shape
-  are drawn by one vmapped call: the same values as a call each, but XLA compiles one
-  random-bits kernel per shape instead of one per tensor (which made init compile for
-  longer than the train step)."""
-  groups = {}
-  for name, (dist, shape, a, b) in draws.items():
-    groups.setdefault((dist, tuple(shape)), []).append((name, a, b))
-  out = {}
-  for (dist, shape), items in groups.items():
-    names, a, b = zip(*items)
-    ids = jnp.asarray([zlib.crc32(n.encode()) for n in names], jnp.uint32)
-    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, ids)
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    if dist == "normal":
-      x = jax.vmap(lambda k, std, _: std * jax.random.normal(k, shape, jnp.float32))(keys, a, b)
-    else:
-      x = jax.vmap(lambda k, lo, hi: jax.random.uniform(k, shape, jnp.float32, lo, hi))(
-          keys, a, b)
-    out.update((n, x[j]) for j, n in enumerate(names))
-  return out
-
+# -- building --------------------------------------------------------------------
 
 def abstract(spec: ModelSpec) -> GPT:
   """The model's structure and shapes, nothing allocated."""
@@ -362,9 +353,11 @@ def init(spec: ModelSpec, key, shardings=None) -> GPT:
   `shardings` (a pure dict like the parameters) every parameter is created sharded."""
   graphdef = nnx.graphdef(abstract(spec))
 
+  from bov_jax import initialize  # it reads this module's rmsnorm
+
   def make(k):
     model = GPT(spec)
-    init_weights(model, k)
+    initialize.init_weights(model, k)
     return nnx.to_pure_dict(nnx.state(model))
 
   return nnx.merge(graphdef, jax.jit(make, out_shardings=shardings)(key))

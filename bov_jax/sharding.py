@@ -27,7 +27,12 @@ RULES = {
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
-    "table_vocab": ("fsdp", "tensor"),
+    # A value table [V, K * E] is split over its width on fsdp, where the batch is split
+    # too: a lookup then moves each device's rows once (all-to-all, `table_lookup`),
+    # and no table is ever gathered whole.
+    "table_vocab": "tensor",
+    "table_width": "fsdp",
+    "batch": BATCH_AXES,  # activations' rows
 }
 
 
@@ -92,6 +97,15 @@ def param_specs(abstract_state, mesh):
   return out
 
 
+def constrain(x, logical):
+  """x with its dimensions split as RULES and the batch axes say (activations: "batch"
+  is the rows' axes), under the current mesh; a no-op without one."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(logical, x.shape, mesh))
+
+
 def named(mesh, specs):
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                       is_leaf=lambda x: isinstance(x, P))
@@ -109,16 +123,17 @@ def global_batch(local: np.ndarray, mesh, leading_dims: int = 1):
 
 # -- value-table lookups ----------------------------------------------------------------
 #
-# A BoV table is [V, kv_dim] per target layer, split over its vocabulary axis
-# (`table_vocab` -> fsdp x tensor). model.table_lookup reads rows E[idx] one of these
-# ways:
-#   shard_map  each device gathers the rows it owns (others masked to zero), then
-#              psum over the vocab axes -- or psum_scatter over an axis that also
-#              splits the batch. Only activations move; the backward is a local
-#              scatter-add. The default (`auto`); a plain gather where the table is
-#              not split.
+# A BoV table is [V, K * E] per target layer, its width split over fsdp and its
+# vocabulary over tensor (RULES). model.table_lookup reads rows E[idx] one of these ways:
+#   shard_map  each device takes, for the ids of every sequence sharing its fsdp
+#              group, the columns it holds (rows of a tensor-split vocabulary it
+#              does not hold masked to zero, then a psum over tensor), and an
+#              all-to-all over fsdp gives each device its own sequences' whole rows:
+#              what moves is one copy of the rows looked up, never the table. The
+#              backward is the same in reverse and a local scatter-add. The default
+#              (`auto`); a plain gather where the table is not split.
 #   gather     jnp.take under the compiler's sharding propagation.
-#   one_hot    one_hot(idx) @ E: a matmul, which all-gathers an FSDP-split table.
+#   one_hot    one_hot(idx) @ E: a matmul, which all-gathers a split table.
 #   host       (inference only, sample.tables_on_host) the table in host memory,
 #              gathered there; only the rows move to the device.
 
@@ -166,53 +181,62 @@ def _host_take(table, idx):
   return jax.device_put(rows, _memory("device"))
 
 
-def table_axes(mesh, n_rows: int):
-  """The mesh axes the table's vocabulary is split over (what RULES gives it)."""
-  spec = logical_to_spec(("table_vocab", None), (n_rows, 1), mesh)[0]
-  if spec is None:
-    return ()
-  return (spec,) if isinstance(spec, str) else tuple(spec)
+def _axes(entry) -> tuple:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def table_lookup(table_VD, idx_BT, impl: str = "shard_map"):
-  """Rows of a (possibly vocab-split) table for token ids, [B, T, D]."""
+def table_axes(mesh, table_shape):
+  """(vocabulary axes, width axes): the mesh axes a table of this shape is split over."""
+  spec = logical_to_spec(("table_vocab", "table_width"), table_shape, mesh)
+  return _axes(spec[0]), _axes(spec[1])
+
+
+def batch_axes(mesh, batch: int) -> tuple:
+  """The mesh axes a batch of this many rows is split over: the batch axes of size > 1,
+  or none when the batch does not divide (decoding one sequence)."""
+  axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+  return axes if batch % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+
+def table_lookup(table_VF, idx_BT, impl: str = "shard_map"):
+  """Rows of a (possibly split) table for token ids, [B, T, F]."""
   mesh = jax.sharding.get_abstract_mesh()
   if impl == "host":
-    return _host_take(table_VD, idx_BT)
+    return _host_take(table_VF, idx_BT)
   if impl == "one_hot":
-    return jax.nn.one_hot(idx_BT, table_VD.shape[0], dtype=table_VD.dtype) @ table_VD
+    return jax.nn.one_hot(idx_BT, table_VF.shape[0], dtype=table_VF.dtype) @ table_VF
   if mesh.empty or impl == "gather":
-    return jnp.take(table_VD, idx_BT, axis=0)
-  vocab_axes = table_axes(mesh, table_VD.shape[0])
-  if not vocab_axes:
-    return jnp.take(table_VD, idx_BT, axis=0)
-  batch_axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
-  if idx_BT.shape[0] % math.prod(mesh.shape[a] for a in batch_axes):
-    batch_axes = ()  # a batch too small to split (decoding one sequence)
-  shared = tuple(a for a in vocab_axes if a in batch_axes)  # split both ways
-  only_vocab = tuple(a for a in vocab_axes if a not in shared)
+    return jnp.take(table_VF, idx_BT, axis=0)
+  vocab, width = table_axes(mesh, table_VF.shape)
+  if not vocab and not width:
+    return jnp.take(table_VF, idx_BT, axis=0)
+  rows_axes = batch_axes(mesh, idx_BT.shape[0])
+  shared = tuple(a for a in width if a in rows_axes)  # all-to-all: ids in, rows out
+  only_width = tuple(a for a in width if a not in shared)  # all-gathered columns
 
   def local(table, idx):
-    if shared:  # ids of the whole group sharing these axes, then scatter the rows back
+    if shared:  # the ids of every sequence of the group
       idx = jax.lax.all_gather(idx, shared, axis=0, tiled=True)
-    n = table.shape[0]
-    start = jax.lax.axis_index(vocab_axes) * n
-    offset = idx - start
-    mine = (offset >= 0) & (offset < n)
-    rows = jnp.take(table, jnp.where(mine, offset, 0), axis=0)
-    rows = jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype))
-    if only_vocab:
-      rows = jax.lax.psum(rows, only_vocab)
-    if shared:
-      rows = jax.lax.psum_scatter(rows, shared, scatter_dimension=0, tiled=True)
+    if vocab:
+      n = table.shape[0]
+      offset = idx - jax.lax.axis_index(vocab) * n
+      mine = (offset >= 0) & (offset < n)
+      rows = jnp.take(table, jnp.where(mine, offset, 0), axis=0)
+      rows = jax.lax.psum(jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype)), vocab)
+    else:
+      rows = jnp.take(table, idx, axis=0)
+    if only_width:
+      rows = jax.lax.all_gather(rows, only_width, axis=2, tiled=True)
+    if shared:  # each device's sequences back to it, with every device's columns
+      rows = jax.lax.all_to_all(rows, shared, 0, 2, tiled=True)
     return rows
 
-  bspec = batch_axes if batch_axes else None
+  bspec = rows_axes or None
   return jax.shard_map(
       local, mesh=mesh,
-      in_specs=(P(vocab_axes, None), P(bspec, None)),
+      in_specs=(P(vocab or None, width or None), P(bspec, None)),
       out_specs=P(bspec, None, None),
-      check_vma=False)(table_VD, idx_BT)
+      check_vma=False)(table_VF, idx_BT)
 
 
 def _path_keys(path) -> tuple:

@@ -21,6 +21,25 @@ from bov_jax import values
 
 
 @dataclasses.dataclass(frozen=True)
+class Stage:
+  """Layers start + r * period + j (r < repeats, j < period): a block of `period` layers
+  repeated `repeats` times, every repeat alike (each layer j's value role and window),
+  so one compiled block runs them all under a `lax.scan`. A layer alone: period 1,
+  repeats 1."""
+  start: int
+  period: int
+  repeats: int
+
+  def layers(self, j: int) -> list[int]:
+    """The layers at position j of the block, one per repeat."""
+    return [self.start + r * self.period + j for r in range(self.repeats)]
+
+  @property
+  def scanned(self) -> bool:
+    return self.repeats > 1
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
   """Everything that decides what the model computes and how (hashable: it keys jit)."""
   n_layer: int
@@ -39,6 +58,27 @@ class ModelSpec:
   table_lookup: str          # shard_map | gather | one_hot | host
   remat: str                 # a config.REMAT_POLICIES key
   loss_chunk: int
+  scan: bool                 # repeated runs of layers scanned (`stages`), not unrolled
+  # The target the program is built for, and the kernel forms chosen for it (the
+  # kernels never ask the process's backend: a CPU host builds a TPU's program).
+  platform: str              # cpu | gpu | tpu
+  attention_block: int       # Splash attention's block rows (a divisor of the length is taken)
+  matmul: str                # plain | cpu: kernels/matmul.py's CPU form of the backward
+  sampler: str               # jax | cpu: kernels/sampling.py's hand-written CPU forms
+
+  @property
+  def splash_interpret(self) -> bool:
+    """Splash is a TPU kernel: anywhere else it runs in the Pallas interpreter."""
+    return self.platform != "tpu"
+
+  @property
+  def decode_kernel(self) -> str:
+    """The fused bank-decode kernel's form: Triton on GPU, Mosaic otherwise."""
+    return "gpu" if self.platform == "gpu" else "tpu"
+
+  @property
+  def decode_interpret(self) -> bool:
+    return self.platform != self.decode_kernel
 
   @property
   def head_dim(self) -> int:
@@ -55,6 +95,10 @@ class ModelSpec:
   @property
   def target_layers(self) -> list[int]:
     return values.target_layers(self.value, self.n_layer)
+
+  @property
+  def stages(self) -> tuple[Stage, ...]:
+    return layer_stages(self)
 
   def describe(self) -> str:
     return (f"{self.n_layer}L d{self.n_embd} H{self.n_head}/{self.n_kv_head} "
@@ -94,6 +138,45 @@ class RunSpec:
     return ml_collections.ConfigDict(json.loads(self.config_json))
 
 
+MAX_PERIOD = 8  # the longest block of layers looked for (window patterns are short)
+
+
+def _segment(kinds: list, period: int) -> list[Stage]:
+  """Stages of one block length, greedily from the first layer: a block that repeats
+  at least twice is a stage, any other layer stands alone."""
+  out, i, L = [], 0, len(kinds)
+  while i < L:
+    r = 1
+    while i + (r + 1) * period <= L and (kinds[i + r * period:i + (r + 1) * period]
+                                          == kinds[i:i + period]):
+      r += 1
+    if r > 1:
+      out.append(Stage(i, period, r))
+      i += r * period
+    else:
+      out.append(Stage(i, 1, 1))
+      i += 1
+  return out
+
+
+def layer_stages(m: ModelSpec) -> tuple[Stage, ...]:
+  """The layers as stages: with `scan`, the block length that leaves the fewest layer
+  bodies to compile (what compile time grows with), else every layer alone. Layers
+  alike are those of one value role and window; layer 0 of a V1 mode, whose values
+  later layers read, stands alone."""
+  if not m.scan:
+    return tuple(Stage(i, 1, 1) for i in range(m.n_layer))
+  kinds = [(lv, w, i == 0 and m.value.source == "v1")
+           for i, (lv, w) in enumerate(zip(m.layers, m.windows))]
+  best = None
+  for p in range(1, MAX_PERIOD + 1):
+    stages = _segment(kinds, p)
+    bodies = sum(st.period for st in stages)
+    if best is None or bodies < best[0]:
+      best = (bodies, stages)
+  return tuple(best[1])
+
+
 def short_window(m) -> int:
   """The `S` window: model.short_window, or the reference's ceil((T // 4) / 128) * 128."""
   if m.short_window > 0:
@@ -119,6 +202,10 @@ def _model(m, backend: str) -> ModelSpec:
   attention = m.attention
   if attention == "auto":
     attention = {"tpu": "splash", "cpu": "blocks", "gpu": "cudnn"}.get(backend, "xla")
+  if attention == "cudnn" and not (backend == "gpu" and m.dtype in ("bfloat16", "float16")
+                                   and (m.n_embd // m.n_head) % 8 == 0
+                                   and m.n_embd // m.n_head <= 128):
+    attention = "xla"  # what cuDNN's flash attention takes: a GPU, half precision, dh <= 128
   decode = m.decode_attention
   if decode == "auto":  # the TPU kernel, where it compiles (kernels/bank_decode.py)
     decode = "fused_if_compiles" if backend == "tpu" else "xla"
@@ -133,8 +220,14 @@ def _model(m, backend: str) -> ModelSpec:
       decode_attention=decode,
       table_lookup="shard_map" if m.table_lookup == "auto" else m.table_lookup,
       remat=m.remat,
+      scan=bool(m.scan),
       # cache-sized chunks on CPU; large ones keep an accelerator's matmuls full
-      loss_chunk=m.loss_chunk or (256 if backend == "cpu" else 2048))
+      loss_chunk=m.loss_chunk or (256 if backend == "cpu" else 2048),
+      platform=backend,
+      attention_block=m.attention_block or 512,
+      # XLA's CPU backend: see kernels/matmul.py and kernels/sampling.py
+      matmul="cpu" if backend == "cpu" else "plain",
+      sampler="cpu" if backend == "cpu" else "jax")
 
 
 def _tristate(value: str, auto: bool) -> bool:

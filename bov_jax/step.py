@@ -132,7 +132,8 @@ def build(spec: RunSpec, mesh, num_iterations: int, key=None, init: bool = True)
   """Parameters and optimizer state on the mesh, and the jitted train and eval steps.
   With init=False (a resume: a checkpoint will replace them) the state is abstract,
   shapes and shardings only, so nothing is compiled, run or allocated twice."""
-  layout = batch_layout(spec)
+  local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+  layout = batch_layout(spec, mesh.size, local)
   key = jax.random.key(spec.train.seed) if key is None else key
   graphdef, params, p_sh = (init_params(spec, mesh, key) if init
                             else abstract_params(spec, mesh))

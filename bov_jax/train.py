@@ -17,6 +17,7 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from bov_jax import aot
 from bov_jax import bpb
 from bov_jax import checkpoint as ckpt_lib
 from bov_jax import data as data_lib
@@ -145,10 +146,10 @@ class _Loop:
     self.stop = False  # agreed: stop after the next step boundary (set by _finish)
     self.first, self.t_compile = step + 1, time.perf_counter()
     batch, wait = self._load()
+    train_step = self._compile(batch)
     pending = None
     while step < self.n:
-      self.params, self.opt_state, out = self.trainer.train_step(self.params, self.opt_state,
-                                                                 *batch)
+      self.params, self.opt_state, out = train_step(self.params, self.opt_state, *batch)
       flag = preemption.dispatch()
       step += 1
       if pending is not None:  # the previous step: done, or finishing as this one starts
@@ -186,6 +187,14 @@ class _Loop:
       (ckpt_lib.path(self.workdir) / "DONE").write_text(json.dumps(self.last))  # sweeps skip it
     log(f"done in {metrics.fmt_time(time.time() - t_start)}")
     return self.last
+
+  def _compile(self, batch):
+    """The train step compiled before its first call, with the bytes it takes per
+    device logged (what --mode=compile reports for a slice)."""
+    compiled = self.trainer.train_step.lower(self.params, self.opt_state, *batch).compile()
+    stats = jax.devices()[0].memory_stats() or {}
+    log(aot.memory_line("train_step", aot.memory(compiled), stats.get("bytes_limit")))
+    return compiled
 
   def _finish(self, p: _Pending, log_it=False, evaluate=False, core=False) -> None:
     """Reads a dispatched step's outputs; with log_it, evaluates as asked and writes the

@@ -16,14 +16,19 @@ def _qkv(B=1, T=256, H=4, K=2, E=128, seed=0):
   return tuple(jax.random.normal(k, (B, T, n, E)) for k, n in zip(keys, (H, K, K)))
 
 
+def _attend(q, k, v, window, impl):
+  """self_attend as a CPU-built program runs it (Splash in the Pallas interpreter)."""
+  return attention.self_attend(q, k, v, window, impl, interpret=True)
+
+
 def _loss(impl, window):
-  return lambda q, k, v: jnp.sum(jnp.sin(attention.self_attend(q, k, v, window, impl)))
+  return lambda q, k, v: jnp.sum(jnp.sin(_attend(q, k, v, window, impl)))
 
 
 def _assert_matches_xla(impl, q, k, v, window):
   """Output and the gradients of q, k and v equal jax.nn's attention's."""
-  a = attention.self_attend(q, k, v, window, impl)
-  b = attention.self_attend(q, k, v, window, "xla")
+  a = _attend(q, k, v, window, impl)
+  b = _attend(q, k, v, window, "xla")
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
   ga = jax.grad(_loss(impl, window), argnums=(0, 1, 2))(q, k, v)
   gb = jax.grad(_loss("xla", window), argnums=(0, 1, 2))(q, k, v)
@@ -64,7 +69,7 @@ def test_blocks_skip_the_key_blocks_outside_the_window():
   q, k, v = _qkv(B=1, T=512, H=2, K=2, E=32)
 
   def flops(impl, window):
-    f = jax.jit(lambda *a: attention.self_attend(*a, window, impl))
+    f = jax.jit(lambda *a: _attend(*a, window, impl))
     return f.lower(q, k, v).compile().cost_analysis()["flops"]
 
   full = flops("xla", 512)
@@ -82,9 +87,9 @@ def test_splash_runs_per_shard_on_a_mesh():
   with jax.set_mesh(mesh):
     spec = NamedSharding(mesh, P(("data", "fsdp"), None, "tensor", None))
     qs, ks, vs = (jax.device_put(x, spec) for x in (q, k, v))
-    got = jax.jit(lambda *a: attention.self_attend(*a, 64, "splash"))(qs, ks, vs)
+    got = jax.jit(lambda *a: _attend(*a, 64, "splash"))(qs, ks, vs)
     ggot = jax.jit(jax.grad(_loss("splash", 64)))(qs, ks, vs)
-    hlo = jax.jit(lambda *a: attention.self_attend(*a, 64, "splash")).lower(qs, ks, vs).as_text()
+    hlo = jax.jit(lambda *a: _attend(*a, 64, "splash")).lower(qs, ks, vs).as_text()
   assert "shard_map" in hlo or "sdy.manual_computation" in hlo
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
   np.testing.assert_allclose(np.asarray(ggot), np.asarray(gwant), atol=5e-5)
@@ -107,14 +112,20 @@ def test_model_with_splash_matches_xla_and_short_sequences_fall_back():
 
 def test_cudnn_is_chosen_only_where_it_applies():
   """cuDNN on GPU in half precision with head dims it takes; XLA anywhere else
-  (jax.nn's own default is XLA, so `auto` must name cuDNN on GPU)."""
-  gpu = jax.default_backend() == "gpu"
-  bf16 = jnp.bfloat16
-  assert attention.kernel_for("cudnn", 2048, bf16, 128) == ("cudnn" if gpu else "xla")
-  assert attention.kernel_for("cudnn", 2048, jnp.float16, 64) == ("cudnn" if gpu else "xla")
-  assert run_spec(small_config(attention="auto"), backend="gpu").model.attention == "cudnn"
-  for dtype, head_dim in ((jnp.float32, 128), (bf16, 256), (bf16, 36)):
-    assert attention.kernel_for("cudnn", 2048, dtype, head_dim) == "xla"
+  (jax.nn's own default is XLA, so `auto` must name cuDNN on GPU). Decided in the
+  spec, for the target, whatever runs the resolving."""
+  def chosen(backend, dtype, n_embd, n_head, attention="cudnn"):
+    c = small_config(attention=attention, n_embd=n_embd, n_head=n_head, n_kv_head=n_head)
+    c.model.dtype = dtype
+    return run_spec(c, backend=backend).model.attention
+
+  assert chosen("gpu", "bfloat16", 256, 2) == chosen("gpu", "float16", 128, 2) == "cudnn"
+  assert chosen("gpu", "bfloat16", 256, 2, attention="auto") == "cudnn"
+  for backend, dtype, n_embd, n_head in (("cpu", "bfloat16", 256, 2), ("tpu", "bfloat16", 256, 2),
+                                         ("gpu", "float32", 256, 2), ("gpu", "bfloat16", 512, 2),
+                                         ("gpu", "bfloat16", 72, 2)):
+    assert chosen(backend, dtype, n_embd, n_head) == "xla", (backend, dtype, n_embd)
+  assert attention.kernel_for("cudnn", 2048) == "cudnn"
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs a GPU")
@@ -131,7 +142,7 @@ def test_cudnn_follows_float32_attention(window, H, K):
     want = attention.self_attend(q, k, v, window, "xla")
     gwant = jax.grad(_loss("xla", window), argnums=(0, 1, 2))(q, k, v)
   b = tuple(x.astype(jnp.bfloat16) for x in (q, k, v))
-  got = attention.self_attend(*b, window, "cudnn")
+  got = attention.self_attend(*b, window, "cudnn")  # a GPU: the kernel itself
   ggot = jax.grad(_loss("cudnn", window), argnums=(0, 1, 2))(*b)
   for x, y in zip((got, *ggot), (want, *gwant)):
     x, y = np.asarray(x, np.float32), np.asarray(y)

@@ -68,7 +68,8 @@ def test_fused_step_equals_gather_then_attend(window, kernel):
   c = _case(kernel)
   q, k, ids, table, qpos = _inputs(c)
   gamma = jnp.float32(0.7)
-  got = jax.jit(lambda *a: bank_decode.attend(*a, window=window, gamma=gamma, kernel=kernel))(
+  got = jax.jit(lambda *a: bank_decode.attend(*a, window=window, gamma=gamma, kernel=kernel,
+                                              interpret=True))(
       q, k, ids, table, qpos)
   want = _gather_then_attend(q, k, ids, table, qpos, window, gamma)
   assert got.shape == (c.B, 1, c.K * c.G * c.E)
@@ -80,7 +81,8 @@ def test_gpu_kernel_pads_query_heads_to_a_power_of_two():
   tensor shapes), the output keeps 24."""
   c = Case(B=2, K=1, G=24, E=64, S=256)
   q, k, ids, table, qpos = _inputs(c, seed=3)
-  got = jax.jit(lambda *a: bank_decode.attend(*a, window=50, kernel="gpu"))(q, k, ids, table, qpos)
+  got = jax.jit(lambda *a: bank_decode.attend(*a, window=50, kernel="gpu", interpret=True))(
+      q, k, ids, table, qpos)
   want = _gather_then_attend(q, k, ids, table, qpos, 50, 1.0)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
 
@@ -92,7 +94,7 @@ def test_positions_past_the_query_do_not_count(kernel):
   c = Case(B=1)
   q, k, ids, table, _ = _inputs(c)
   qpos = jnp.asarray([130], jnp.int32)
-  f = jax.jit(lambda *a: bank_decode.attend(*a, window=10_000, kernel=kernel))
+  f = jax.jit(lambda *a: bank_decode.attend(*a, window=10_000, kernel=kernel, interpret=True))
   a = f(q, k, ids, table, qpos)
   b = f(q, k.at[:, 131:].set(50.0), ids.at[:, 131:].set(0), table, qpos)
   np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -106,78 +108,74 @@ def _mesh(shape):
 
 def _fused(m, i, batch, context):
   """Whether layer i of model m decodes through the kernel (kvcache's choice)."""
-  return kvcache.fused_bank(m.blocks[i].attn, batch, context, m.table(i), m.compute_dtype)
+  ls = kvcache.layer_settings(m.spec, m.spec.layers[i], m.spec.windows[i])
+  table = m.table(i)
+  return kvcache.fused_bank(ls, batch, context, None if table is None else table.shape)
 
 
 @pytest.mark.parametrize("kernel, shape, batch", [
-    ("tpu", (1, 8, 1), 3),  # vocabulary over fsdp; 3 sequences are not split
-    ("tpu", (2, 2, 2), 3),  # vocabulary over fsdp x tensor
+    ("tpu", (1, 1, 8), 3),  # vocabulary over tensor; 3 sequences are not split
+    ("tpu", (2, 1, 4), 3),  # the same, a data axis beside it
     ("tpu", (2, 1, 4), 4),  # sequences over data, vocabulary over tensor
     ("gpu", (2, 1, 4), 4)])
 def test_vocab_split_table_equals_whole(kernel, shape, batch):
-  """Under a mesh the table's vocabulary is split (RULES); each shard gathers its
-  own rows and the partial outputs add up to the whole. A batch split over other
-  axes runs per shard."""
+  """Under a mesh the table's vocabulary is split over tensor (RULES); each shard
+  gathers its own rows and the partial outputs add up to the whole. A batch split
+  over other axes runs per shard."""
   c = Case(B=batch, V=256)
   q, k, ids, table, qpos = _inputs(c, seed=1)
   if batch == 4:
     qpos = jnp.asarray([0, 127, 300, 511], jnp.int32)
   mesh = _mesh(shape)
-  spec = sharding.logical_to_spec(("table_vocab", "kv_heads"), table.shape, mesh)
+  spec = sharding.logical_to_spec(("table_vocab", "table_width"), table.shape, mesh)
   assert spec[0] is not None  # the case under test: a split vocabulary
   want = _gather_then_attend(q, k, ids, table, qpos, 100, 1.0)
   with jax.set_mesh(mesh):
-    assert bank_decode.mesh_split(batch, c.V) == ((("data",) if batch == 4 else ()),
-                                                  sharding.table_axes(mesh, c.V))
+    assert bank_decode.mesh_split(batch, table.shape) == (
+        (("data",) if batch == 4 else ()), sharding.table_axes(mesh, table.shape)[0])
     t = jax.device_put(table, NamedSharding(mesh, spec))
-    got = jax.jit(lambda *a: bank_decode.attend(*a, window=100, kernel=kernel))(q, k, ids, t, qpos)
+    got = jax.jit(lambda *a: bank_decode.attend(*a, window=100, kernel=kernel, interpret=True))(
+        q, k, ids, t, qpos)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
 
 
-def test_batch_and_vocabulary_on_one_axis_take_xla():
-  """fsdp splits both the batch and the table: each sequence's rows would be on
-  other devices, so the decode step keeps XLA's lookup, which moves rows."""
+def test_a_table_split_over_its_width_takes_xla():
+  """fsdp splits the table's width (and the batch): no device holds a whole row, so
+  the decode step keeps XLA's lookup, which moves rows."""
   with jax.set_mesh(_mesh((1, 8, 1))):
-    assert bank_decode.mesh_split(8, 256) is None
-    assert bank_decode.kernel_for("fused", 256, 128, "shard_map", batch=8, table_rows=256) == "xla"
-    assert bank_decode.kernel_for("fused", 256, 128, "shard_map", batch=1, table_rows=256) == "fused"
+    for batch in (8, 1):
+      assert bank_decode.mesh_split(batch, (256, 256)) is None
+      assert bank_decode.kernel_for("fused", 256, 128, "shard_map", batch, (256, 256)) == "xla"
+  with jax.set_mesh(_mesh((8, 1, 1))):  # data parallel: tables whole on every device
+    assert bank_decode.kernel_for("fused", 256, 128, "shard_map", 8, (256, 256)) == "fused"
 
 
 def test_auto_takes_the_tpu_kernel_only_where_it_compiles(monkeypatch, caplog):
-  """On TPU, `auto` compiles the kernel once for the layer's shapes before it
-  uses it (Mosaic's own compile has never run in this project): where it does
-  not compile, decoding keeps XLA's gather and a warning names the setting. Here
-  the backend claims to be a TPU; the kernel compiled for this CPU, not
-  interpreted, fails as a kernel Mosaic rejects would, and the interpreted one
-  compiles. The model's layers reach the check with their own shapes."""
+  """For a TPU target, `auto` is decided before tracing (`bank_decode.resolve`): the
+  kernel is compiled once for the target device per bank layer's window (Mosaic's
+  own compile), and where it does not compile, decoding keeps XLA's gather and a
+  warning names the setting. Here the target is this CPU: the kernel compiled for
+  it, not interpreted, fails as a kernel Mosaic rejects would, and the interpreted
+  one compiles. A trace never meets the undecided setting."""
   cfg = small_config(sequence_len=128, n_embd=256, n_head=2, n_kv_head=1)
-  assert run_spec(cfg, backend="tpu").model.decode_attention == "fused_if_compiles"
+  spec = run_spec(cfg, backend="tpu").model
+  assert spec.decode_attention == "fused_if_compiles"
   assert run_spec(cfg, backend="gpu").model.decode_attention == "xla"
-  m = nnx.merge(*_bov("auto", backend="tpu"))
-  bank = [i for i, b in enumerate(m.blocks) if b.attn.lv.is_bank]
-  layer = dict(n_kv_head=2, group=2, window=100, dtype=jnp.bfloat16)
-  check = "fused_if_compiles"
-  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  windows = {w for lv, w in zip(spec.layers, spec.windows) if lv.is_bank}
   bank_decode.compiles.cache_clear()
   with caplog.at_level(logging.WARNING):
-    assert bank_decode.kernel_for(check, 256, 128, "shard_map", 1, 256, **layer) == "xla"
-    assert not any(_fused(m, i, 1, 128) for i in bank)
+    assert bank_decode.resolve(spec, jax.devices()[0]).decode_attention == "xla"
   assert "model.decode_attention=auto" in caplog.text
-  assert bank_decode.kernel_for("fused", 256, 128, "shard_map", 1, 256, **layer) == "fused"
   real = bank_decode_tpu.call
   monkeypatch.setattr(bank_decode_tpu, "call",
                       lambda *a, interpret, **kw: real(*a, interpret=True, **kw))
   bank_decode.compiles.cache_clear()
-  assert bank_decode.kernel_for(check, 256, 128, "shard_map", 1, 256, **layer) == "fused"
-  assert bank and all(_fused(m, i, 1, 128) for i in bank)
-  assert bank_decode.compiles.cache_info().misses == 1 + len({m.blocks[i].attn.window for i in bank})
-  bank_decode.compiles.cache_clear()
-  got = []  # inside a trace under a mesh, as a decode step asks; the kernel compiles per shard
-  with jax.set_mesh(_mesh((2, 2, 2))):
-    jax.jit(lambda x: got.append(bank_decode.kernel_for(check, 256, 128, "shard_map", 2, 256,
-                                                       **layer))
-            or x)(jnp.ones(2))
-  assert got == ["fused"]
+  assert bank_decode.resolve(spec, jax.devices()[0]).decode_attention == "fused"
+  assert bank_decode.compiles.cache_info().misses == len(windows)
+  assert bank_decode.resolve(dataclasses.replace(spec, decode_attention="xla")) \
+      .decode_attention == "xla"
+  with pytest.raises(ValueError, match="before tracing"):
+    bank_decode.kernel_for("fused_if_compiles", 256, 128, "shard_map")
   bank_decode.compiles.cache_clear()
 
 
@@ -279,17 +277,17 @@ def test_generation_with_the_kernel_equals_xla():
 
 
 def test_generation_on_a_mesh_with_the_kernel_equals_xla():
-  """Sample mode's setting: parameters sharded by the rules over a 2x2x2 mesh (the
-  tables' vocabulary over fsdp x tensor), one sequence; the kernel runs per vocab
-  shard and the tokens match XLA's sharded lookup."""
-  mesh = _mesh((2, 2, 2))
+  """Sample mode's setting: parameters sharded by the rules over a 2x1x4 mesh (the
+  tables' vocabulary over tensor), one sequence; the kernel runs per vocab shard
+  and the tokens match XLA's sharded lookup."""
+  mesh = _mesh((2, 1, 4))
   out = {}
   for impl in ("xla", "fused"):
     graphdef, state = _bov(impl)
     _, _, shardings = step_lib.abstract_params(run_spec(_bov_config(impl)), mesh)
     params = jax.device_put(nnx.to_pure_dict(state), shardings)
     with jax.set_mesh(mesh):
-      assert params["tables"]["layer_2"].sharding.spec[0] == ("fsdp", "tensor")
+      assert params["tables"]["layer_2"].sharding.spec[0] == "tensor"
       out[impl] = inference.generate_cached(graphdef, params, [5, 17, 3, 99], 20, 128)
   assert out["fused"] == out["xla"] and len(out["xla"]) == 20
 

@@ -69,16 +69,18 @@ def test_decode_step_reads_only_the_window():
 
 
 def test_bank_layers_keep_no_values():
-  bov = _shapes("gpt_base_v_from_value_emb_learn")  # 6 layers: banks 4, 5
-  cache = kvcache.init(bov, 1, 32)
-  assert sorted(cache["v"]) == ["0", "1", "2", "3"] and "ids" in cache
-  assert len(cache["k"]) == 6
-  v1 = kvcache.init(_shapes("gpt_base_v_from_v1_learn"), 1, 32)
-  assert sorted(v1["v"]) == ["0", "1", "2", "3"] and "ids" not in v1  # reuses layer 0's
-  base = kvcache.init(_shapes("gpt_base"), 1, 32)
-  assert sorted(base["v"]) == [str(i) for i in range(6)] and "ids" not in base
-  add = kvcache.init(_shapes("gpt_base_add_init_value_emb_learn"), 1, 32)
-  assert len(add["v"]) == 6 and "ids" not in add  # V + E[id] depends on context
+  def keeps_values(preset):
+    m = _shapes(preset)
+    cache = kvcache.init(m, 1, 32)
+    layers = kvcache.by_layer(m.spec, cache)
+    assert len(layers) == 6 and all(c["k"].shape == (2, 32, 16) for c in layers)
+    return [i for i, c in enumerate(layers) if "v" in c], "ids" in cache
+
+  assert keeps_values("gpt_base_v_from_value_emb_learn") == ([0, 1, 2, 3], True)  # banks 4, 5
+  assert keeps_values("gpt_base_v_from_v1_learn") == ([0, 1, 2, 3], False)  # reuse layer 0's
+  assert keeps_values("gpt_base") == (list(range(6)), False)
+  # V + E[id] depends on context
+  assert keeps_values("gpt_base_add_init_value_emb_learn") == (list(range(6)), False)
 
 
 @pytest.mark.parametrize("batch, context", [(1, 64), (3, 256)])
@@ -135,13 +137,17 @@ def test_cache_holds_only_what_the_generation_reaches():
           == inference.generate_uncached(graphdef, params, prompt, 10, 512))
 
 
-def test_top_k_sampling_stays_in_top_k():
+FORMS = ["cpu", "jax"]  # the hand-written CPU forms and jax's own (kernels/sampling.py)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_top_k_sampling_stays_in_top_k(form):
   logits = jnp.asarray([[0.0, 5.0, 4.0, -1.0, 3.0]])
   keys = jax.random.split(jax.random.key(0), 200)  # 200 draws in one compiled call
-  draws = jax.vmap(lambda k: sampling.sample_logits(logits, k, 1.0, 2))(keys)
+  draws = jax.vmap(lambda k: sampling.sample_logits(logits, k, 1.0, 2, form))(keys)
   seen = set(np.asarray(draws).ravel().tolist())
   assert seen == {1, 2}
-  assert int(sampling.sample_logits(logits, jax.random.key(0), 0.0, 0)[0]) == 1
+  assert int(sampling.sample_logits(logits, jax.random.key(0), 0.0, 0, form)[0]) == 1
 
 
 def test_top_k_keeps_what_lax_top_k_keeps():
@@ -152,17 +158,18 @@ def test_top_k_keeps_what_lax_top_k_keeps():
     z = np.round(rng.normal(size=(3, V)) * 3, 1).astype(np.float32)
     z[0, :2] = -np.inf
     kth = np.asarray(jax.lax.top_k(jnp.asarray(z), k)[0][:, -1:])
-    kept = np.asarray(sampling.top_k_mask(jnp.asarray(z), k))
+    kept = np.asarray(sampling.top_k_mask(jnp.asarray(z), k, "cpu"))
     np.testing.assert_array_equal(kept, z >= kth, err_msg=f"V={V} k={k}")
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
-def test_sampling_follows_the_softmax(temperature):
+def test_sampling_follows_the_softmax(temperature, form):
   p = np.asarray([0.1, 0.2, 0.3, 0.4, 0.0])
   logits = jnp.log(jnp.asarray(p, jnp.float32))[None]
   n = 20000
   keys = jax.random.split(jax.random.key(0), n)
-  toks = np.asarray(jax.vmap(lambda k: sampling.sample_logits(logits, k, temperature, 0))(keys))
+  toks = np.asarray(jax.vmap(lambda k: sampling.sample_logits(logits, k, temperature, 0, form))(keys))
   want = p ** (1 / temperature) / np.sum(p ** (1 / temperature))
   freq = np.bincount(toks.ravel(), minlength=5) / n
   np.testing.assert_allclose(freq, want, atol=4 * np.sqrt(0.25 / n))
@@ -235,6 +242,6 @@ def test_greedy_is_argmax():
   z[0, 0, [7, 4000]] = 50.0  # a tie: the first wins
   z[1, 2, -1] = 60.0         # the last entry
   z = np.round(z, 1)         # many equal values
-  got = np.asarray(sampling.greedy(jnp.asarray(z)))
+  got = np.asarray(sampling.greedy(jnp.asarray(z), "cpu"))
   np.testing.assert_array_equal(got, np.argmax(z, axis=-1))
   assert got.dtype == np.int32 and got[0, 0] == 7

@@ -1,4 +1,4 @@
-"""Meshes, sharding rules, the vocab-split table lookup, and sharded == unsharded training."""
+"""Meshes, sharding rules, the split table lookup, and sharded == unsharded training."""
 import re
 
 import jax
@@ -46,7 +46,7 @@ def test_table_lookup_matches_plain_gather(shape, impl):
   cot = jax.random.normal(jax.random.key(2), (B, T, D))
   want = jnp.take(table, idx, axis=0)
   want_grad = jnp.zeros_like(table).at[idx].add(cot)
-  spec = sharding.logical_to_spec(("table_vocab", "kv_heads"), (V, D), mesh)
+  spec = sharding.logical_to_spec(("table_vocab", "table_width"), (V, D), mesh)
   with jax.set_mesh(mesh):
     t = jax.device_put(table, NamedSharding(mesh, spec))
     i = jax.device_put(idx, sharding.batch_sharding(mesh))
@@ -111,12 +111,12 @@ def test_each_table_shard_is_one_nth(shape):
   mesh = _mesh(*shape)
   cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=500)  # padded 512
   params, _ = _params_on(mesh, cfg)
-  n = shape[1] * shape[2]  # the vocab axis splits over fsdp x tensor
+  fsdp, tensor = shape[1], shape[2]  # the width splits over fsdp, the vocabulary over tensor
   for name, table in params["tables"].items():
     assert table.shape == (512, 32)
     shards = table.addressable_shards
     assert len(shards) == 8
-    assert all(s.data.shape == (512 // n, 32) for s in shards), name
+    assert all(s.data.shape == (512 // tensor, 32 // fsdp) for s in shards), name
 
 
 def _all_gather_shapes(hlo: str) -> list[tuple[int, ...]]:
@@ -157,7 +157,7 @@ def test_step_never_all_gathers_a_value_table(shape):
   assert not any(_table_like(s) for s in shapes), shapes
   # the check can fail: a lookup on a table made whole first shows up as (2048, 16)
   mesh = _mesh(*shape)
-  spec = sharding.logical_to_spec(("table_vocab", "kv_heads"), (2048, 16), mesh)
+  spec = sharding.logical_to_spec(("table_vocab", "table_width"), (2048, 16), mesh)
   with jax.set_mesh(mesh):
     t = jax.device_put(jnp.zeros((2048, 16)), NamedSharding(mesh, spec))
     i = jax.device_put(jnp.zeros((8, 16), jnp.int32), sharding.batch_sharding(mesh))

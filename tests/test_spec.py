@@ -14,11 +14,26 @@ from tests.helpers import small_config
     ("tpu", "splash", "fused_if_compiles", 2048, False, True),
 ])
 def test_auto_settings_resolve_per_backend(backend, attention, decode, chunk, gram, batched):
-  s = spec_lib.resolve(small_config(), backend)
+  c = small_config()
+  c.model.dtype = "bfloat16"  # cuDNN's flash attention takes half precision (test_attention)
+  s = spec_lib.resolve(c, backend)
   assert s.model.attention == attention and s.model.decode_attention == decode
   assert s.model.loss_chunk == chunk and s.model.table_lookup == "shard_map"
   assert s.optim.polar_gram is gram and s.optim.muon_batched is batched
   assert s.optim.polar_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu", "tpu"])
+def test_kernel_forms_are_the_targets_not_the_hosts(backend):
+  """Every kernel form is chosen for the backend the spec is resolved for, whatever
+  this process runs on: a CPU host resolving for TPU gets the TPU program."""
+  m = spec_lib.resolve(small_config(attention="splash", sequence_len=128), backend).model
+  assert m.platform == backend
+  assert m.splash_interpret is (backend != "tpu")
+  assert (m.matmul, m.sampler) == (("cpu", "cpu") if backend == "cpu" else ("plain", "jax"))
+  assert (m.decode_kernel, m.decode_interpret) == (
+      ("gpu", False) if backend == "gpu" else ("tpu", backend != "tpu"))
+  assert m.attention_block == 512 and m.scan
 
 
 def test_explicit_settings_are_kept():

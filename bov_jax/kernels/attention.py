@@ -6,14 +6,15 @@ on TPU, `blocks` on CPU, `cudnn` on GPU):
   xla     jax.nn.dot_product_attention's XLA implementation: the whole [T, T]
           score matrix, masked
   cudnn   jax.nn.dot_product_attention's cuDNN flash attention (sliding windows
-          included), on GPU with bf16/fp16 compute and head dims up to 128 that
-          are multiples of 8; anything else takes `xla`. It must be asked for by
-          name: jax.nn's default (implementation=None) is XLA's.
+          included); spec.py keeps it only on GPU with bf16/fp16 compute and head
+          dims up to 128 that are multiples of 8. It must be asked for by name:
+          jax.nn's default (implementation=None) is XLA's.
   blocks  plain einsums over 128-row query blocks, each against only the key
           blocks its window reaches: causality alone skips a quarter of the
           score and value matmuls at 256 positions, more at longer ones (on
           CPU, where XLA's attention computes and masks the whole square).
-  splash  the Pallas Splash attention kernel. Off TPU it runs in the Pallas
+  splash  the Pallas Splash attention kernel, in `block`-row blocks. Built for
+          another target than TPU (`interpret`) it runs in the Pallas
           interpreter: slow, for tests that check it against `xla`.
 
 Query i sees keys i - window .. i. Splash takes one sequence and one kv head
@@ -25,6 +26,7 @@ Pallas call is not partitioned automatically.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 
@@ -44,37 +46,30 @@ def splash_fits(seq_len: int) -> bool:
   return seq_len % SPLASH_BLOCK == 0
 
 
-def cudnn_fits(dtype, head_dim: int) -> bool:
-  """What cuDNN's flash attention takes: a GPU, half-precision operands, and
-  head dims that are multiples of 8 up to 128."""
-  return (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-          and head_dim % 8 == 0 and head_dim <= 128)
-
-
-def kernel_for(impl: str, seq_len: int, dtype=jnp.float32, head_dim: int = 64) -> str:
-  """The kernel the setting `impl` (resolved, not `auto`) runs at this length, dtype
-  and head dim: sequences that do not fill the blocks (short evaluation buckets),
-  and cuDNN off GPU or in float32, take `xla`."""
+def kernel_for(impl: str, seq_len: int) -> str:
+  """The kernel the setting `impl` (resolved for the target, spec.py) runs at this
+  length: sequences that do not fill the blocks (short evaluation buckets) take `xla`."""
   if impl == "splash" and splash_fits(seq_len):
     return "splash"
-  if impl == "cudnn" and cudnn_fits(dtype, head_dim):
+  if impl == "cudnn":
     return "cudnn"
   if impl == "blocks" and seq_len % CAUSAL_BLOCK == 0 and seq_len > CAUSAL_BLOCK:
     return "blocks"
   return "xla"
 
 
-def self_attend(q_BTHE, k_BTKE, v_BTKE, window: int, impl: str = "xla"):
-  """Attention output [B, T, H * E]."""
+def self_attend(q_BTHE, k_BTKE, v_BTKE, window: int, impl: str = "xla", *,
+                interpret: bool = False, block: int = 512):
+  """Attention output [B, T, H * E]. interpret, block: Splash's (see the module doc)."""
   B, T, H, E = q_BTHE.shape
-  kernel = kernel_for(impl, T, q_BTHE.dtype, E)
+  kernel = kernel_for(impl, T)
   if kernel in ("xla", "cudnn"):
     out = jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True,
                                        local_window_size=(window, 0), implementation=kernel)
     return out.reshape(B, T, H * E)
   if kernel == "blocks":
     return _blocks(q_BTHE, k_BTKE, v_BTKE, window)
-  return _splash_sharded(q_BTHE, k_BTKE, v_BTKE, window)
+  return _splash_sharded(q_BTHE, k_BTKE, v_BTKE, window, interpret, block)
 
 
 def _blocks(q_BTHE, k_BTKE, v_BTKE, window: int):
@@ -175,26 +170,28 @@ _softmax_attention.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
 
 
 @functools.lru_cache(maxsize=None)
-def _splash_kernel(seq_len: int, window: int, group: int, interpret: bool):
+def _splash_kernel(seq_len: int, window: int, group: int, interpret: bool, block: int):
   from jax.experimental.pallas.ops.tpu import splash_attention as sa
   # Built from numpy masks once per shape; the kernel skips blocks the mask empties.
   mask = sa.MultiHeadMask([sa.LocalMask((seq_len, seq_len), (min(window, seq_len), 0), offset=0)
                            for _ in range(group)])
-  block = math.gcd(seq_len, 512)
+  block = math.gcd(seq_len, block)
   sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                         block_q_dq=block, block_kv_dq=block)
-  # Concrete mask tables even when first built inside a trace: the kernel is
-  # cached and reused by later traces (a tracer kept here would leak).
-  with jax.ensure_compile_time_eval():
-    return sa.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                              interpret=interpret)
+  # Concrete mask tables even when first asked for inside a trace: the kernel is
+  # cached and reused by later traces (a tracer kept here would leak). Built in a
+  # thread of its own, so outside this thread's trace and mesh: a program built for
+  # another target (`--mode=compile`) has a mesh of devices that run nothing.
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    return pool.submit(sa.make_splash_mqa, mask, block_sizes=sizes, head_shards=1,
+                       q_seq_shards=1, interpret=interpret).result()
 
 
-def _splash(q_BTHE, k_BTKE, v_BTKE, window: int):
+def _splash(q_BTHE, k_BTKE, v_BTKE, window: int, interpret: bool, block: int):
   B, T, H, E = q_BTHE.shape
   K = k_BTKE.shape[2]
-  kernel = _splash_kernel(T, window, H // K, jax.default_backend() != "tpu")
+  kernel = _splash_kernel(T, window, H // K, interpret, block)
   q = (q_BTHE / np.sqrt(E).astype(q_BTHE.dtype)).reshape(B, T, K, H // K, E)
   q_BKGTE = q.transpose(0, 2, 3, 1, 4)
   k_BKTE, v_BKTE = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3)
@@ -202,16 +199,15 @@ def _splash(q_BTHE, k_BTKE, v_BTKE, window: int):
   return out_BKGTE.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
 
 
-def _splash_sharded(q_BTHE, k_BTKE, v_BTKE, window: int):
+def _splash_sharded(q_BTHE, k_BTKE, v_BTKE, window: int, interpret: bool, block: int):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
-    return _splash(q_BTHE, k_BTKE, v_BTKE, window)
+    return _splash(q_BTHE, k_BTKE, v_BTKE, window, interpret, block)
   B, K = q_BTHE.shape[0], k_BTKE.shape[2]
-  batch = tuple(a for a in sharding.BATCH_AXES if mesh.shape[a] > 1)
-  if B % math.prod(mesh.shape[a] for a in batch):
-    batch = ()
+  batch = sharding.batch_axes(mesh, B)
   heads = "tensor" if mesh.shape["tensor"] > 1 and K % mesh.shape["tensor"] == 0 else None
   spec = P(batch or None, None, heads, None)
-  return jax.shard_map(functools.partial(_splash, window=window), mesh=mesh,
+  return jax.shard_map(functools.partial(_splash, window=window, interpret=interpret,
+                                         block=block), mesh=mesh,
                        in_specs=(spec, spec, spec), out_specs=P(batch or None, None, heads),
                        check_vma=False)(q_BTHE, k_BTKE, v_BTKE)

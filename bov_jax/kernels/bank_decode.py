@@ -12,10 +12,10 @@ the memory traffic of a stored-value layer with a cache that holds only ids.
   gpu  bank_decode_gpu.py (Triton): rows loaded by pointer, flash-decoding splits
 
 `model.decode_attention` (resolved in spec.py): `xla` keeps the gather-then-attend
-path; `fused` runs the backend's kernel (off TPU and GPU, the TPU kernel in the
+path; `fused` runs the target's kernel (off TPU and GPU, the TPU kernel in the
 Pallas interpreter: slow, for tests); `fused_if_compiles`, what `auto` becomes on
-TPU, runs the TPU kernel once it has compiled there for the layer's shapes and
-otherwise XLA's gather, with a warning. What has been measured of the kernels:
+TPU, is decided before tracing (`resolve`): the TPU kernel where it compiles for the
+target device at the model's shapes, otherwise XLA's gather, with a warning. What has been measured of the kernels:
 docs/performance.md ("Decoding").
 
 Layout (as `attention.attend` takes it): rows n = b * K + h, one per sequence b
@@ -41,51 +41,57 @@ from bov_jax.kernels import bank_decode_gpu as gpu
 from bov_jax.kernels import bank_decode_tpu as tpu
 
 
-def fits(context: int, head_dim: int, backend: str = "tpu") -> bool:
-  """Whether the backend's kernel takes this cache length and head dim."""
-  return (gpu if backend == "gpu" else tpu).fits(context, head_dim)
+def fits(context: int, head_dim: int, platform: str = "tpu") -> bool:
+  """Whether the kernel (`tpu` or `gpu`) takes this cache length and head dim."""
+  return (gpu if platform == "gpu" else tpu).fits(context, head_dim)
 
 
 def kernel_for(setting: str, context: int, head_dim: int, table_lookup: str, batch: int = 1,
-               table_rows: int = 0, *, n_kv_head: int = 1, group: int = 1,
-               window: int | None = None, dtype=jnp.float32, table_dtype=jnp.float32) -> str:
-  """`fused` or `xla` for this cache under the (resolved) `model.decode_attention`
-  setting. A cache the backend's kernel does not fit, tables kept in host memory
-  (`sample.tables_on_host`), and a mesh that splits the batch and the table over
-  a shared axis (`mesh_split`) take `xla`. The keyword arguments describe the
-  layer for `compiles`: kv heads, query heads per kv head, window (None: the
-  whole cache), compute and table dtypes."""
-  backend = "gpu" if jax.default_backend() == "gpu" else "tpu"
-  split = mesh_split(batch, table_rows)
-  if (setting == "xla" or table_lookup == "host" or not fits(context, head_dim, backend)
-      or split is None):
+               table_shape=None, *, platform: str = "tpu") -> str:
+  """`fused` or `xla` for this cache under `model.decode_attention` (resolved: `xla` or
+  `fused`; `fused_if_compiles` is decided by `resolve` before tracing). A cache the
+  kernel does not fit, tables kept in host memory (`sample.tables_on_host`), and a
+  mesh that splits the table's rows or shares an axis between the batch and the
+  table (`mesh_split`) take `xla`."""
+  if setting == "fused_if_compiles":
+    raise ValueError("model.decode_attention='fused_if_compiles' is decided for the target "
+                     "device before tracing (bank_decode.resolve)")
+  if (setting == "xla" or table_lookup == "host" or not fits(context, head_dim, platform)
+      or mesh_split(batch, table_shape) is None):
     return "xla"
-  if setting == "fused":
-    return "fused"
-  vocab = split[1]
-  local_rows = (table_rows or tpu.BLOCK) // math.prod(
-      jax.sharding.get_abstract_mesh().shape[a] for a in vocab)
-  window = context if window is None else min(window, context)
-  ok = compiles(n_kv_head, group, head_dim, context, window, jnp.dtype(dtype).name, local_rows,
-                jnp.dtype(table_dtype).name, bool(vocab))
-  return "fused" if ok else "xla"
+  return "fused"
+
+
+def resolve(spec, device=None):
+  """The model spec with `fused_if_compiles` decided for the target device (default:
+  this process's first): `fused` where the TPU kernel compiles there for every bank
+  layer's window at the model's context, else `xla`, with a warning. A kernel Mosaic
+  rejects must not take a TPU run's decoding down with it; `model.decode_attention=fused`
+  skips the check (and fails loudly)."""
+  import dataclasses
+  if spec.decode_attention != "fused_if_compiles":
+    return spec
+  windows = sorted({min(w, spec.sequence_len) for lv, w in zip(spec.layers, spec.windows)
+                    if lv.is_bank})
+  ok = all(compiles(spec.n_kv_head, spec.n_head // spec.n_kv_head, spec.head_dim,
+                    spec.sequence_len, w, spec.dtype, spec.padded_vocab,
+                    spec.embedding_dtype, device or jax.devices()[0])
+           for w in windows) if fits(spec.sequence_len, spec.head_dim) else False
+  return dataclasses.replace(spec, decode_attention="fused" if ok else "xla")
 
 
 @functools.lru_cache(maxsize=None)
 def compiles(n_kv_head: int, group: int, head_dim: int, context: int, window: int, dtype: str,
-             table_rows: int, table_dtype: str, split: bool) -> bool:
-  """Whether the TPU kernel compiles on this backend for one sequence of this
-  layer's shapes, asked once per shape: a kernel Mosaic rejects must not take a
-  TPU run's decoding down with it. A failure leaves XLA's gather, with a
-  warning naming the setting; `model.decode_attention=fused` skips the check
-  (and fails loudly)."""
+             table_rows: int, table_dtype: str, device) -> bool:
+  """Whether the TPU kernel compiles for `device` for one sequence of these shapes
+  (a whole table: a split one is refused by `mesh_split`); asked once per shape."""
   K, E = n_kv_head, head_dim
-  args = [jax.ShapeDtypeStruct(s, d) for s, d in (
+  one = jax.sharding.SingleDeviceSharding(device)
+  args = [jax.ShapeDtypeStruct(s, d, sharding=one) for s, d in (
       ((K, group, E), dtype), ((K, context, E), dtype), ((1, context), jnp.int32),
       ((table_rows, K * E), table_dtype), ((1,), jnp.int32), ((1,), jnp.int32))]
-  call = functools.partial(tpu.call, window=window, split=split, interpret=False)
+  call = functools.partial(tpu.call, window=window, split=False, interpret=False)
   try:
-    # One device, as the kernel runs (per shard, under `shard_map`, on a mesh).
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
       jax.jit(call).lower(*args).compile()
   except Exception as e:  # pylint: disable=broad-except  (any compile failure means: not here)
@@ -94,38 +100,38 @@ def compiles(n_kv_head: int, group: int, head_dim: int, context: int, window: in
                     "not compile on %s for head_dim=%d, %d query heads per kv head, "
                     "context=%d (%s); decoding gathers with XLA instead. "
                     "model.decode_attention=xla skips this check.",
-                    jax.default_backend(), E, group, context, first)
+                    device.device_kind, E, group, context, first)
     return False
   return True
 
 
-def mesh_split(batch: int, table_rows: int):
-  """(batch axes, vocab axes) the kernel runs split over under the current mesh,
-  or None when the batch and the table's vocabulary share a split axis (fsdp):
-  a sequence's rows then sit on other devices, and XLA's lookup, which moves the
-  rows rather than the caches, is the cheaper path. The batch is split as
+def mesh_split(batch: int, table_shape):
+  """(batch axes, vocab axes) the kernel runs split over under the current mesh, or
+  None where it cannot run: a table whose rows are split across devices
+  (`table_width`: each device holds part of every row), or a batch and a table
+  vocabulary that share a split axis (a sequence's rows then sit on other devices).
+  XLA's lookup, which moves rows, takes those. The batch is split as
   `sharding.table_lookup` splits it (not at all when it does not divide)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return (), ()
-  vocab = sharding.table_axes(mesh, table_rows) if table_rows else ()
-  batch_axes = tuple(a for a in sharding.BATCH_AXES if mesh.shape[a] > 1)
-  if batch % math.prod(mesh.shape[a] for a in batch_axes):
-    batch_axes = ()
-  if set(batch_axes) & set(vocab):
+  vocab, width = sharding.table_axes(mesh, table_shape) if table_shape else ((), ())
+  batch_axes = sharding.batch_axes(mesh, batch)
+  if width or set(batch_axes) & set(vocab):
     return None
   return batch_axes, vocab
 
 
 def attend(q_BTHE, k_NSE, ids_BS, table_VF, qpos_B, window: int, gamma=None,
-           kernel: str | None = None):
+           kernel: str = "tpu", interpret: bool = False):
   """Attention output [B, 1, H * E] of one new token per sequence over its cache.
 
   q_BTHE [B, 1, H, E]; k_NSE the layer's key cache (`attention.kv_rows`); ids_BS
   the cached token ids; table_VF the layer's table [V, K * E]; qpos_B each query's
   position (keys qpos - window .. qpos are visible); gamma the layer's learned
   coefficient (None: 1). Equal to `attention.attend` over gamma * table[ids] rows.
-  kernel: `tpu` or `gpu` (default: the backend's; off both, TPU's, interpreted).
+  kernel: `tpu` or `gpu`; interpret: in the Pallas interpreter (a target that is
+  neither, or tests).
   """
   B, T, H, E = q_BTHE.shape
   if T != 1:
@@ -133,12 +139,9 @@ def attend(q_BTHE, k_NSE, ids_BS, table_VF, qpos_B, window: int, gamma=None,
   N = k_NSE.shape[0]
   K = N // B
   q_NGE = q_BTHE.reshape(B, K, H // K, E).reshape(N, H // K, E)
-  backend = jax.default_backend()
-  kernel = kernel or ("gpu" if backend == "gpu" else "tpu")
   call = {"tpu": tpu.call, "gpu": gpu.call}[kernel]
-  interpret = backend != kernel
   window = int(min(window, k_NSE.shape[1]))
-  split = mesh_split(B, table_VF.shape[0])
+  split = mesh_split(B, table_VF.shape)
   if split is None:
     raise ValueError("bank_decode.attend: the mesh splits the batch and the table over a "
                      "shared axis; `kernel_for` sends this case to XLA's lookup")

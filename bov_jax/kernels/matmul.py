@@ -13,11 +13,12 @@ from __future__ import annotations
 import jax
 
 
-def mm(x, w):
-  """x [..., D] @ w [D, F] in x's dtype."""
+def mm(x, w, form: str = "plain"):
+  """x [..., D] @ w [D, F] in x's dtype; form `cpu` (spec.ModelSpec.matmul) for XLA's
+  CPU backend."""
   x2 = x.reshape(-1, x.shape[-1])
   w = w.astype(x.dtype)
-  narrowing = w.shape[0] > w.shape[1] and jax.default_backend() == "cpu"
+  narrowing = w.shape[0] > w.shape[1] and form == "cpu"
   y = _mm_narrowing(x2, w) if narrowing else x2 @ w
   return y.reshape(*x.shape[:-1], w.shape[-1])
 

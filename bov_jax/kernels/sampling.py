@@ -2,10 +2,10 @@
 
 On XLA's CPU backend jnp.argmax, lax.top_k and jax.random.categorical each cost
 more than a decode step of a small model (docs/performance.md, "Decoding"), so
-there the choices are made by hand-written forms that pick the same tokens
-(greedy, the top-k set); sampling by the inverse CDF draws a different token for
-a given key than categorical's Gumbel draw, with the same distribution. Other
-backends use jax's own.
+there (form `cpu`, spec.ModelSpec.sampler) the choices are made by hand-written
+forms that pick the same tokens (greedy, the top-k set); sampling by the inverse
+CDF draws a different token for a given key than categorical's Gumbel draw, with
+the same distribution. Other backends (form `jax`) use jax's own.
 """
 
 from __future__ import annotations
@@ -15,13 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _cpu() -> bool:
-  return jax.default_backend() == "cpu"
-
-
-def greedy(logits_BV):
+def greedy(logits_BV, form: str = "jax"):
   """The first index of each row's largest logit."""
-  if not _cpu():
+  if form != "cpu":
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
   # two plain reductions: argmax's paired (value, index) reduction runs unvectorised
   # on CPU. A NaN row gives the last index.
@@ -37,9 +33,9 @@ def _sortable(x):
   return jnp.where(b >> 31 == 1, ~b, b | np.uint32(0x80000000))
 
 
-def top_k_mask(z_BV, k: int):
+def top_k_mask(z_BV, k: int, form: str = "jax"):
   """True for each row's k largest entries and any tied with the k-th."""
-  if not _cpu():
+  if form != "cpu":
     return z_BV >= jax.lax.top_k(z_BV, k)[0][..., -1:]
   # the threshold is the largest key t with at least k keys >= t, found bit by bit
   # from the top (32 counting passes; top_k sorts the row)
@@ -52,9 +48,9 @@ def top_k_mask(z_BV, k: int):
   return keys >= jax.lax.fori_loop(0, 32, bit, jnp.zeros(keys.shape[:-1] + (1,), jnp.uint32))
 
 
-def sample_softmax(z_BV, key):
+def sample_softmax(z_BV, key, form: str = "jax"):
   """One token per row with probability softmax(z)."""
-  if not _cpu():
+  if form != "cpu":
     return jax.random.categorical(key, z_BV, axis=-1).astype(jnp.int32)
   # the inverse of the CDF at one uniform number per row (categorical draws a Gumbel
   # number per entry)
@@ -63,12 +59,12 @@ def sample_softmax(z_BV, key):
   return jnp.minimum(jnp.sum(cdf <= u, axis=-1), z_BV.shape[-1] - 1).astype(jnp.int32)
 
 
-def sample_logits(logits_BV, key, temperature: float, top_k: int):
+def sample_logits(logits_BV, key, temperature: float, top_k: int, form: str = "jax"):
   """Greedy when temperature == 0; else temperature and optional top-k sampling
   (the k largest logits, and any tied with the k-th)."""
   if temperature <= 0:
-    return greedy(logits_BV)
+    return greedy(logits_BV, form)
   z = logits_BV.astype(jnp.float32) / temperature
   if top_k and top_k > 0:
-    z = jnp.where(top_k_mask(z, top_k), z, -jnp.inf)
-  return sample_softmax(z, key)
+    z = jnp.where(top_k_mask(z, top_k, form), z, -jnp.inf)
+  return sample_softmax(z, key, form)

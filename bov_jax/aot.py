@@ -1,0 +1,355 @@
+"""Ahead-of-time compilation for a TPU slice, on any host (`--mode=compile`).
+
+With libtpu installed (`pip install '.[tpu]'`), `jax.experimental.topologies` describes
+the chips of a slice without owning one, and a jitted function lowered with
+shardings over them compiles with the TPU compiler itself, which reports each chip's
+memory (`memory_analysis`) and refuses a program that overflows HBM. This builds a
+run's programs exactly as `--mode=train` and `--mode=sample` build them on that slice
+(the spec resolved for TPU, its mesh, batch layout, shardings, optimizer and abstract
+state: nothing is allocated) and compiles each: the train step, the eval step, and
+decoding's prefill and decode step over a cache of `model.sequence_len` positions.
+MaxText's `train_compile.py` is the model.
+
+Compile-only devices report no memory size, so HBM per chip comes from `CHIPS` (what
+the compiler says a chip has for programs when one overflows). The persistent
+compilation cache is neither read nor written: `compile_s` is a real compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from bov_jax import inference
+from bov_jax import kvcache
+from bov_jax import model as model_lib
+from bov_jax import plan
+from bov_jax import sharding
+from bov_jax import step as step_lib
+from bov_jax.kernels import bank_decode
+
+# Compiling needs libtpu, which by default one process per host may load: here it drives
+# no chip, so processes that compile side by side (tests, a run beside a check) may share it.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+GiB = 2 ** 30
+FIT = 0.9  # a program fits when its peak is at most this share of HBM
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One TPU generation: how gcloud's accelerator types count it and what the compiler
+  gives a program of its HBM."""
+  family: str            # the topology's prefix (v5e for v5litepod)
+  chip_config: str
+  hbm_bytes: int         # per chip, as the compiler reports it (a little under the nominal)
+  cores_per_chip: int    # what N in "<type>-N" counts per chip: TensorCores (2) or chips (1)
+  shapes: dict           # chips -> topology dims
+
+
+_CUBE = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+         256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+_PLANE = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+          256: "16x16"}
+CHIPS = {
+    "v4": Chip("v4", "megacore", int(30.75 * GiB), 2, _CUBE),
+    "v5p": Chip("v5p", "megacore", int(95.74 * GiB), 2, _CUBE),
+    "v5e": Chip("v5e", "default", int(15.75 * GiB), 1, _PLANE),
+    "v6e": Chip("v6e", "default", int(31.25 * GiB), 1, _PLANE),
+}
+ALIASES = {"v5litepod": "v5e"}
+
+
+class TopologyError(ValueError):
+  """An accelerator type this module does not know, or no TPU compiler here."""
+
+
+def known_topologies() -> list[str]:
+  return [f"{name}-{n * chip.cores_per_chip}" for name, chip in CHIPS.items()
+          for n in chip.shapes]
+
+
+def parse_topology(name: str) -> tuple[Chip, int, str]:
+  """(chip, chips, topology dims) of a gcloud accelerator type such as v5p-64."""
+  family, _, count = name.partition("-")
+  chip = CHIPS.get(ALIASES.get(family, family))
+  n = int(count) // chip.cores_per_chip if chip and count.isdigit() else 0
+  if chip is None or n not in chip.shapes or int(count) % chip.cores_per_chip:
+    raise TopologyError(f"--topology={name!r} is not a known TPU slice; known: "
+                        + ", ".join(known_topologies()) + " (v5litepod-N = v5e-N)")
+  return chip, n, chip.shapes[n]
+
+
+def devices(name: str):
+  """(the slice's compile-only devices, its chip) for a gcloud accelerator type."""
+  chip, n, dims = parse_topology(name)
+  try:
+    from jax.experimental import topologies
+    bounds = {"chips_per_host_bounds": (2, 2, 1)} if chip.shapes is _CUBE else {}
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=f"{chip.family}:{dims}",
+                                        chip_config_name=chip.chip_config, num_slices=1,
+                                        **bounds)
+  except Exception as e:  # noqa: BLE001 - no libtpu, or it refuses the topology
+    raise TopologyError(f"cannot describe {name} for the TPU compiler ({type(e).__name__}: "
+                        f"{str(e)[:200]}); install it with pip install '.[tpu]' (Linux x86-64)")
+  return list(desc.devices), chip
+
+
+# -- what a compiled program takes per chip --------------------------------------------
+
+def memory(compiled) -> dict:
+  """Bytes per chip of a compiled program: arguments, outputs, temporaries, generated
+  code, aliased (outputs written over donated arguments), and the peak (the compiler's
+  own figure where it reports one, else their sum less the aliasing)."""
+  m = compiled.memory_analysis()
+  out = {"argument_bytes": int(m.argument_size_in_bytes),
+         "output_bytes": int(m.output_size_in_bytes),
+         "temp_bytes": int(m.temp_size_in_bytes),
+         "code_bytes": int(m.generated_code_size_in_bytes),
+         "alias_bytes": int(m.alias_size_in_bytes)}
+  peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
+  out["peak_bytes"] = peak or (out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"]
+                               + out["code_bytes"] - out["alias_bytes"])
+  return out
+
+
+class Overflow(Exception):
+  """The compiler refused a program for HBM."""
+
+
+def compile_lowered(lowered) -> tuple[dict, object]:
+  """(memory and compile seconds, the compiled program); Overflow where HBM is short."""
+  t0 = time.perf_counter()
+  try:
+    compiled = lowered.compile()
+  except Exception as e:  # noqa: BLE001 - the compiler's out-of-memory is a plain error
+    if "RESOURCE_EXHAUSTED" in str(e) or "Ran out of memory" in str(e):
+      raise Overflow(str(e).splitlines()[0][:300]) from None
+    raise
+  return dict(memory(compiled), compile_s=round(time.perf_counter() - t0, 2)), compiled
+
+
+# -- the programs --------------------------------------------------------------------
+
+def _sds(shape, dtype, mesh, logical):
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(
+      mesh, sharding.logical_to_spec(logical, shape, mesh)))
+
+
+def train_programs(spec, mesh):
+  """{name: lowered} for the train and eval steps, as step.build makes them."""
+  trainer = step_lib.build(spec, mesh, plan.num_iterations(spec), init=False)
+  layout, T = trainer.layout, spec.model.sequence_len
+  rows = layout.rows_per_device * mesh.size
+  batch = jax.ShapeDtypeStruct((layout.accum, rows, T), jnp.int32,
+                               sharding=sharding.batch_sharding(mesh, leading_dims=2))
+  tokens = jax.ShapeDtypeStruct((rows, T), jnp.int32, sharding=sharding.batch_sharding(mesh))
+  token_bytes = _sds((spec.model.vocab_size,), jnp.int32, mesh, (None,))
+  with jax.set_mesh(mesh):
+    return trainer.layout, {
+        "train_step": trainer.train_step.lower(trainer.params, trainer.opt_state, batch, batch),
+        "eval_step": trainer.eval_step.lower(trainer.params, tokens, tokens, token_bytes)}
+
+
+class Decoding:
+  """Decoding's programs for one batch size (prefill chunks and the decode step), over
+  a cache of the model's context, the cache donated."""
+
+  def __init__(self, spec, mesh):
+    self.mesh = mesh
+    self.model_spec = bank_decode.resolve(spec.model, mesh.devices.flat[0])
+    self.abstract = model_lib.abstract(self.model_spec)
+    self.graphdef = nnx.graphdef(self.abstract)
+    _, self.params, _ = step_lib.abstract_params(
+        dataclasses.replace(spec, model=self.model_spec), mesh)
+    self.unit = math.prod(mesh.shape[a] for a in sharding.batch_axes(mesh, 0))
+
+  def cache(self, batch: int):
+    shapes = jax.eval_shape(lambda: kvcache.init(self.abstract, batch,
+                                                 self.model_spec.sequence_len))
+    return jax.tree.map(lambda x, ax: _sds(x.shape, x.dtype, self.mesh, ax), shapes,
+                        kvcache.logical_axes(shapes))
+
+  def prefill(self, batch: int, chunk: int):
+    """A chunk of `chunk` tokens of `batch` sequences run into the cache."""
+    graphdef = self.graphdef
+    fn = jax.jit(lambda p, ids, c: inference.extend(nnx.merge(graphdef, p), ids, c),
+                 donate_argnums=(2,))
+    ids = _sds((batch, chunk), jnp.int32, self.mesh, ("batch", None))
+    with jax.set_mesh(self.mesh):
+      return fn.lower(self.params, ids, self.cache(batch))
+
+  def decode_step(self, batch: int):
+    graphdef = self.graphdef
+    fn = jax.jit(lambda p, last, c, key: inference.decode_step(nnx.merge(graphdef, p), last, c,
+                                                               key), donate_argnums=(2,))
+    last = _sds((batch, self.model_spec.vocab_size), jnp.float32, self.mesh, ("batch", None))
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype,
+                               sharding=NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+    with jax.set_mesh(self.mesh):
+      return fn.lower(self.params, last, self.cache(batch), key)
+
+  def cache_bytes_per_sequence(self) -> int:
+    shapes = jax.eval_shape(lambda: kvcache.init(self.abstract, 1, self.model_spec.sequence_len))
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(shapes))
+
+
+def _try(lowered_fn):
+  """A program's figures, or None where it overflows HBM."""
+  try:
+    return compile_lowered(lowered_fn())[0]
+  except Overflow:
+    return None
+
+
+def max_decode_batch(dec: Decoding, limit: int, log=print) -> tuple[int, dict | None]:
+  """The largest global batch (a multiple of the devices the batch is split over) whose
+  decode step peaks at <= limit bytes per chip, and that step's figures (0 and the
+  smallest batch's, None where it overflows, when none fits). The peak grows linearly
+  with the batch (the cache), so two compiles aim at the limit and a few more confirm it."""
+  u = dec.unit
+  fits = lambda m: m is not None and m["peak_bytes"] <= limit
+  first = _try(lambda: dec.decode_step(u))
+  if not fits(first):
+    return 0, first
+  found = {u: first}
+  lo, hi = u, None  # the largest batch known to fit, the smallest known not to
+  slope = None
+  guess = 2 * u
+  for _ in range(10):
+    if hi is not None and hi - lo <= u:
+      break
+    guess = max(lo + u, min(guess, hi - u) if hi is not None else guess) // u * u
+    m = _try(lambda g=guess: dec.decode_step(g))
+    log(f"  decode_step at batch {guess}: " + ("overflows HBM" if m is None else
+                                               f"peak {m['peak_bytes'] / GiB:.2f} GiB"))
+    if fits(m):
+      slope = (m["peak_bytes"] - found[lo]["peak_bytes"]) / (guess - lo)
+      found[guess], lo = m, guess
+      room = (limit - m["peak_bytes"]) / slope if slope > 0 else guess
+      guess = lo + max(u, int(room) // u * u)
+    else:
+      hi = guess
+      guess = (lo + hi) // 2
+  return lo, found[lo]
+
+
+# -- the mode --------------------------------------------------------------------------
+
+PROGRAMS = ("train", "eval", "decode")
+LOWER_IT = ("model.remat (dots_no_batch, then full), train.device_batch_size, "
+            "or a mesh that splits more (mesh.fsdp, mesh.tensor)")
+
+
+def memory_line(name: str, m: dict, hbm: int | None = None) -> str:
+  """One line of a program's bytes per chip (and its compile seconds where measured)."""
+  of = f" of {hbm / GiB:.2f} GiB HBM ({100 * m['peak_bytes'] / hbm:.0f}%)" if hbm else " per device"
+  line = (f"{name}: peak {m['peak_bytes'] / GiB:.2f} GiB{of} | arguments "
+          f"{m['argument_bytes'] / GiB:.2f}, outputs {m['output_bytes'] / GiB:.2f}, temporaries "
+          f"{m['temp_bytes'] / GiB:.2f}, code {m['code_bytes'] / GiB:.2f} GiB")
+  return line + (f" | compile {m['compile_s']:.1f} s" if "compile_s" in m else "")
+
+
+def run(spec, topology: str, programs=PROGRAMS, log=print) -> dict:
+  """Compiles the run's programs for a TPU slice; returns the report (`fits` and each
+  program's bytes per chip and compile seconds). Raises TopologyError for an unknown
+  slice or no TPU compiler."""
+  unknown = sorted(set(programs) - set(PROGRAMS))
+  if unknown:
+    raise TopologyError(f"--programs: unknown {', '.join(unknown)}; expected a comma list "
+                        f"of {', '.join(PROGRAMS)}")
+  devs, chip = devices(topology)
+  hbm, limit = chip.hbm_bytes, int(FIT * chip.hbm_bytes)
+  mesh = sharding.make_mesh(spec.mesh, devs)
+  m = spec.model
+  report = {"topology": topology, "chips": len(devs), "device_kind": devs[0].device_kind,
+            "hbm_bytes_per_chip": hbm, "mesh": dict(mesh.shape),
+            "spec": {"attention": m.attention, "remat": m.remat, "scan": m.scan,
+                     "stages": [list(dataclasses.astuple(s)) for s in m.stages],
+                     "loss_chunk": m.loss_chunk, "dtype": m.dtype,
+                     "device_batch_size": spec.train.device_batch_size},
+            "fits": True, "programs": {}}
+  out = report["programs"]
+  failed = []
+
+  def add(name, lowered_fn):
+    try:
+      fig = compile_lowered(lowered_fn())[0]
+    except Overflow as e:
+      fig = {"peak_bytes": None, "error": str(e)}
+    fig["fits"] = fig["peak_bytes"] is not None and fig["peak_bytes"] <= limit
+    out[name] = fig
+    if fig["peak_bytes"] is None:
+      log(f"{name}: does not compile: {fig['error']}")
+    else:
+      log(memory_line(name, fig, hbm))
+    if not fig["fits"]:
+      failed.append(name)
+    return fig
+
+  if "train" in programs or "eval" in programs:
+    layout, lowered = train_programs(spec, mesh)
+    report["spec"].update(rows_per_device=layout.rows_per_device, accum=layout.accum)
+    for name in ("train", "eval"):
+      if name in programs:
+        add(f"{name}_step", lambda name=name: lowered[f"{name}_step"])
+  if "decode" in programs:
+    dec = Decoding(spec, mesh)
+    report["spec"]["decode_attention"] = dec.model_spec.decode_attention
+    best, fig = max_decode_batch(dec, limit, log)
+    per_seq = dec.cache_bytes_per_sequence()
+    step = {"max_batch": best, "cache_bytes_per_sequence": per_seq, **(fig or {})}
+    step["fits"] = best > 0
+    out["decode_step"] = step
+    if best:
+      log(memory_line(f"decode_step (max_batch {best}, cache {per_seq / 2**20:.1f} MiB a sequence)",
+                fig, hbm))
+    else:
+      log("decode_step: not even one batch of "
+          f"{dec.unit} sequence(s) fits ({per_seq / 2**20:.1f} MiB of cache a sequence)")
+      failed.append("decode_step")
+    T = m.sequence_len
+    prefill = {}
+    for label, batch in (("one_sequence", 1), ("max_batch", best)):
+      if batch == 0:
+        continue
+      chunk = T
+      while True:  # the whole context at once, else halves of it
+        fig = _try(lambda b=batch, c=chunk: dec.prefill(b, c))
+        if (fig is not None and fig["peak_bytes"] <= limit) or chunk <= 128:
+          break
+        chunk //= 2
+      fig = dict(fig or {"peak_bytes": None}, batch=batch, chunk=chunk)
+      fig["fits"] = fig["peak_bytes"] is not None and fig["peak_bytes"] <= limit
+      prefill[label] = fig
+      if fig["peak_bytes"] is not None:
+        log(memory_line(f"prefill ({batch} sequence(s), chunks of {chunk} tokens)", fig, hbm))
+      if not fig["fits"]:
+        log(f"prefill ({batch} sequence(s)): does not fit in chunks of 128 tokens")
+        failed.append(f"prefill at batch {batch}")
+    out["prefill"] = prefill
+  report["fits"] = not failed
+  report["failed"] = failed
+  return report
+
+
+def overflow_message(report: dict) -> str:
+  """One line: what does not fit, its peak against HBM, and the settings that lower it."""
+  hbm = report["hbm_bytes_per_chip"]
+  parts = []
+  for name in report["failed"]:
+    fig = report["programs"].get(name.split(" ")[0], {})
+    peak = fig.get("peak_bytes")
+    parts.append(f"{name} ({'over HBM' if peak is None else f'peak {peak / GiB:.2f} GiB'})")
+  return (f"does not fit {report['topology']} ({FIT:.0%} of {hbm / GiB:.2f} GiB HBM per chip): "
+          + "; ".join(parts) + f"; lower it with {LOWER_IT}")

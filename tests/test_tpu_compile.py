@@ -1,0 +1,123 @@
+"""--mode=compile: a run's programs compiled by the TPU compiler on this CPU host (libtpu,
+installed by the README's set-up on Linux x86-64), so Mosaic compiles the Pallas
+kernels (Splash attention, the bank-decode kernel) in every CI run instead of only
+running them interpreted."""
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from bov_jax import aot
+from bov_jax import spec as spec_lib
+from tests.helpers import small_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _libtpu() -> bool:
+  try:
+    import libtpu  # noqa: F401
+    return True
+  except ImportError:
+    return False
+
+
+pytestmark = pytest.mark.skipif(
+    not _libtpu() and not (sys.platform == "linux" and platform.machine() == "x86_64"),
+    reason="libtpu's wheel exists for Linux x86-64 only (pip install '.[tpu]')")
+
+
+def _config(**mesh):
+  """Head dim 128 (the TPU bank-decode kernel's lanes), three layers, the bank in layer 2,
+  a 128-token window in a 256-token context."""
+  c = small_config("gpt_base_v_from_value_emb_learn", n_layer=3, n_embd=256, n_head=2,
+                   n_kv_head=1, sequence_len=256, short_window=128, vocab_size=512)
+  # float32: the bank-decode kernel's row DMAs need 32-bit rows (docs/pods.md)
+  c.train.batch_tokens = 256 * 8
+  c.train.device_batch_size = 2
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh.get("data", -1), mesh.get("fsdp", 1), 1
+  return c
+
+
+def _custom_calls(compiled) -> int:
+  return compiled.as_text().count('custom_call_target="tpu_custom_call"')
+
+
+def test_topologies_are_gcloud_names():
+  chip, n, dims = aot.parse_topology("v5p-64")
+  assert (chip.family, n, dims, chip.cores_per_chip) == ("v5p", 32, "2x4x4", 2)
+  assert aot.parse_topology("v5litepod-16")[1:] == aot.parse_topology("v5e-16")[1:] == (16, "4x4")
+  assert aot.parse_topology("v4-32")[1] == 16 and aot.parse_topology("v6e-8")[1] == 8
+  for bad in ("v5p-63", "v7-8", "v5e", "tpu"):
+    with pytest.raises(aot.TopologyError, match="known: .*v5p-64"):
+      aot.parse_topology(bad)
+  devices, chip = aot.devices("v5e-4")
+  assert len(devices) == 4 and devices[0].device_kind == "TPU v5 lite"
+  assert chip.hbm_bytes == int(15.75 * aot.GiB)
+
+
+def test_train_step_compiles_with_splash_for_a_tpu():
+  """The train step, as step.build makes it, over a v5e-4 split data x fsdp: Splash
+  attention (its forward and backward kernels) compiled by Mosaic; the memory figures
+  are the compiler's."""
+  spec = spec_lib.resolve(_config(data=2, fsdp=2), backend="tpu")
+  assert spec.model.attention == "splash" and not spec.model.splash_interpret
+  devices, _ = aot.devices("v5e-4")
+  mesh = aot.sharding.make_mesh(spec.mesh, devices)
+  layout, lowered = aot.train_programs(spec, mesh)
+  assert (layout.rows_per_device, layout.accum) == (2, 1)
+  fig, compiled = aot.compile_lowered(lowered["train_step"])
+  assert _custom_calls(compiled) >= 3  # Splash's forward, dq and dkv kernels
+  assert 0 < fig["argument_bytes"] < fig["peak_bytes"] < aot.GiB
+  assert fig["alias_bytes"] > 0  # the donated state is updated in place
+  assert fig["compile_s"] > 0
+
+
+def test_decode_programs_compile_with_the_bank_kernel():
+  """Decoding on a v5e-4 (batch over data, tables whole): the bank-decode kernel is
+  chosen because it compiles for the target (Mosaic, `bank_decode.resolve`), and the
+  decode step and a prefill chunk compile with it, the cache donated."""
+  spec = spec_lib.resolve(_config(data=4), backend="tpu")
+  assert spec.model.decode_attention == "fused_if_compiles"
+  devices, _ = aot.devices("v5e-4")
+  dec = aot.Decoding(spec, aot.sharding.make_mesh(spec.mesh, devices))
+  assert dec.model_spec.decode_attention == "fused" and dec.unit == 4
+  fig, compiled = aot.compile_lowered(dec.decode_step(8))
+  assert _custom_calls(compiled) >= 1
+  assert fig["alias_bytes"] >= dec.cache_bytes_per_sequence() * 8 // 4 // 2  # cache donated
+  fig, _ = aot.compile_lowered(dec.prefill(4, 128))
+  assert fig["peak_bytes"] > 0
+
+
+def _main(*args, timeout=600):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "bov_jax.main", "--mode=compile", *args],
+                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+
+
+def test_a_program_that_cannot_fit_exits_1_naming_it():
+  """A device batch of 8,192 rows of 256 tokens on each v5e chip: the eval step's
+  activations overflow 16 GB; the line names the program, its peak or overflow, HBM
+  and what lowers it; the last line is the report."""
+  out = _main("--config=configs/tiny.py", "--topology=v5litepod-4", "--programs=eval",
+              "--config.train.device_batch_size=8192", "--config.train.batch_tokens=8388608")
+  assert out.returncode == 1, out.stderr[-2000:]
+  error = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+  assert error and "eval_step" in error[0] and "15.75 GiB HBM" in error[0], out.stderr[-2000:]
+  assert "model.remat" in error[0] and "train.device_batch_size" in error[0]
+  report = json.loads(out.stdout.strip().splitlines()[-1])
+  assert report["fits"] is False and report["failed"] == ["eval_step"]
+  assert report["chips"] == 4 and report["spec"]["attention"] == "splash"
+
+
+def test_bad_topology_and_programs_exit_2():
+  out = _main("--config=configs/tiny.py", "--topology=v5p-63")
+  assert out.returncode == 2 and "known:" in out.stderr and "v5p-64" in out.stderr
+  out = _main("--config=configs/tiny.py", "--topology=v5p-8", "--programs=train,serve")
+  assert out.returncode == 2 and "--programs" in out.stderr and "serve" in out.stderr
+  out = _main("--config=configs/tiny.py")
+  assert out.returncode == 2 and "--topology" in out.stderr
