@@ -26,6 +26,7 @@ from bov_jax import kvcache
 from bov_jax import model as model_lib
 from bov_jax import spec as spec_lib
 from bov_jax import values
+from bov_jax.kernels import bank_decode
 
 _CONTEXTS = flags.DEFINE_string("contexts", "256,1024", "Context lengths.")
 _BATCH = flags.DEFINE_integer("batch", 1, "Sequences decoded together.")
@@ -41,7 +42,7 @@ def bench_decode(cfg, contexts, batch: int, steps: int) -> list[dict]:
     for context in contexts:
       c = cfg.copy_and_resolve_references()
       c.model.sequence_len = max(c.model.sequence_len, context)  # windows follow it
-      ms = dataclasses.replace(spec_lib.resolve(c).model, value=m)
+      ms = bank_decode.resolve(dataclasses.replace(spec_lib.resolve(c).model, value=m))
       model = model_lib.init(ms, jax.random.key(0))
       graphdef, params = nnx.split(model)
       n = min(steps, context - 1)

@@ -65,10 +65,11 @@ _HLO_CALLS = re.compile(r"\b(calls|body|to_apply|condition|called_computations|"
                         r"branch_computations)=\{?(%[\w.\-]+(?:, %[\w.\-]+)*)\}?")
 
 
-def hlo_dots(hlo_text: str) -> collections.Counter:
-  """Dot -> how many times one run of the module executes it, from the text of a
-  compiled module: each computation counted once per call, a while loop's body
-  its known trip count times (a loop XLA cannot count is taken as one trip)."""
+def hlo_runs(hlo_text: str) -> tuple[dict, collections.Counter]:
+  """({computation: its instruction lines}, computation -> how many times one run of
+  the module executes it), from the text of a compiled module: each computation counted
+  once per call, a while loop's body its known trip count times (a loop XLA cannot
+  count is taken as one trip)."""
   comps, entry, name = {}, None, None
   for line in hlo_text.splitlines():
     m = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
@@ -98,6 +99,12 @@ def hlo_dots(hlo_text: str) -> collections.Counter:
       callers[callee] -= 1
       if callers[callee] == 0:
         ready.append(callee)
+  return comps, runs
+
+
+def hlo_dots(hlo_text: str) -> collections.Counter:
+  """Dot -> how many times one run of the module executes it (`hlo_runs`)."""
+  comps, runs = hlo_runs(hlo_text)
   dots = collections.Counter()
   for comp, lines in comps.items():
     defs = {}

@@ -260,10 +260,10 @@ def memory_line(name: str, m: dict, hbm: int | None = None) -> str:
   return line + (f" | compile {m['compile_s']:.1f} s" if "compile_s" in m else "")
 
 
-def run(spec, topology: str, programs=PROGRAMS, log=print) -> dict:
+def run(spec, topology: str, programs=PROGRAMS, log=print, on_compiled=None) -> dict:
   """Compiles the run's programs for a TPU slice; returns the report (`fits` and each
   program's bytes per chip and compile seconds). Raises TopologyError for an unknown
-  slice or no TPU compiler."""
+  slice or no TPU compiler. on_compiled(name, compiled): sees the train and eval steps."""
   unknown = sorted(set(programs) - set(PROGRAMS))
   if unknown:
     raise TopologyError(f"--programs: unknown {', '.join(unknown)}; expected a comma list "
@@ -284,7 +284,9 @@ def run(spec, topology: str, programs=PROGRAMS, log=print) -> dict:
 
   def add(name, lowered_fn):
     try:
-      fig = compile_lowered(lowered_fn())[0]
+      fig, compiled = compile_lowered(lowered_fn())
+      if on_compiled:
+        on_compiled(name, compiled)
     except Overflow as e:
       fig = {"peak_bytes": None, "error": str(e)}
     fig["fits"] = fig["peak_bytes"] is not None and fig["peak_bytes"] <= limit

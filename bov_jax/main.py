@@ -171,5 +171,7 @@ def main(argv):
 
 if __name__ == "__main__":
   from bov_jax import hostmem
+  if hostmem.cpu_only():  # no accelerator here: JAX need not start (and libtpu, installed
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # for --mode=compile, not log about) others
   hostmem.reexec_with_huge_pages()  # before jax starts, CPU runs only: see hostmem.py
   app.run(main)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Cloud TPU pods for bov_jax: create, set up, run, watch, sweep, delete.
 #
-#   bash launch/tpu.sh create                        # queued resource (spot/reserved/on-demand)
+#   bash launch/tpu.sh create [--config=FILE ...]    # queued resource (spot/reserved/on-demand)
 #   bash launch/tpu.sh setup                         # copy this checkout's code, install the runtime set
 #   bash launch/tpu.sh run --config=configs/bov_780m.py [--config.x=y ...]   # start it, detached
 #   bash launch/tpu.sh watch --config=configs/bov_780m.py [--config.x=y ...] # keep it going
@@ -14,6 +14,11 @@
 # checkpointed) it starts the same command again. Either way the run resumes from its
 # last checkpoint. Any other exit code stops it with the log's path.
 #
+# Before a pod is paid for: run, watch, sweep (and create, given a config) first compile
+# the run's train and eval steps for ACCELERATOR_TYPE on this host (python -m bov_jax.main
+# --mode=compile, the TPU compiler from pip install '.[tpu]') and stop before any gcloud
+# command when one does not fit the chips' HBM. Without libtpu here they say so and go on.
+#
 # Settings (environment):
 #   PROJECT, ZONE, TPU_NAME, ACCELERATOR_TYPE (e.g. v5p-64, v4-32)   required
 #   WORKDIR            run directory, a gs:// bucket path on pods  (run, watch, sweep)
@@ -21,6 +26,9 @@
 #   PROVISIONING       spot | reserved | on-demand                  (default: spot)
 #   REMOTE_DIR         checkout location on the workers             (default: bov_jax)
 #   POLL_SECONDS       how often `watch` looks                      (default: 60)
+#   SKIP_COMPILE_CHECK=1  do not compile for ACCELERATOR_TYPE first
+#   COMPILE_PROGRAMS   what the check compiles                      (default: train,eval)
+#   PYTHON             this host's Python for the check and sweep files (default: python3)
 #   DRY_RUN=1          print every gcloud command instead of running it; `watch` then
 #                      takes what gcloud would have answered from DRY_RUN_STATES (queued
 #                      resource states, one per look), DRY_RUN_EXIT_CODES (the run's exit
@@ -32,6 +40,7 @@ PROVISIONING="${PROVISIONING:-spot}"
 REMOTE_DIR="${REMOTE_DIR:-bov_jax}"
 POLL_SECONDS="${POLL_SECONDS:-60}"
 PREEMPTED_EXIT=75  # bov_jax.train.PREEMPTED_EXIT
+PY="${PYTHON:-python3}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 die() { echo "launch/tpu.sh: $*" >&2; exit 2; }
@@ -87,6 +96,28 @@ quote_args() {
   printf '%s' "$out"
 }
 
+# Compiles the run's programs for ACCELERATOR_TYPE on this host; stops (exit 1) when one
+# does not fit. Arguments: the run's own (--config=FILE, --config.x=y).
+compile_check() {
+  if [ "${SKIP_COMPILE_CHECK:-0}" = "1" ]; then
+    return 0
+  fi
+  if ! (cd "$HERE" && "$PY" -c "import libtpu, bov_jax" 2>/dev/null); then
+    say "no TPU compiler on this host ($PY: pip install '.[tpu]', Linux x86-64):" \
+      "not checking that the run fits $ACCELERATOR_TYPE"
+    return 0
+  fi
+  say "compiling the run for $ACCELERATOR_TYPE on this host first (SKIP_COMPILE_CHECK=1 skips)"
+  local rc=0
+  (cd "$HERE" && "$PY" -m bov_jax.main --mode=compile --topology="$ACCELERATOR_TYPE" \
+    --programs="${COMPILE_PROGRAMS:-train,eval}" "$@" > /dev/null) || rc=$?
+  case "$rc" in
+    0) say "it fits $ACCELERATOR_TYPE";;
+    1) say "the run does not fit $ACCELERATOR_TYPE (above): nothing was started"; exit 1;;
+    *) die "--mode=compile for $ACCELERATOR_TYPE failed (exit $rc, above)";;
+  esac
+}
+
 tpu_ssh() {  # tpu_ssh WORKER COMMAND
   run_cmd gcloud compute tpus tpu-vm ssh "$TPU_NAME" --project="$PROJECT" --zone="$ZONE" \
     --worker="$1" --command="$2"
@@ -94,6 +125,9 @@ tpu_ssh() {  # tpu_ssh WORKER COMMAND
 
 cmd_create() {
   need PROJECT ZONE TPU_NAME ACCELERATOR_TYPE
+  if [ $# -gt 0 ]; then
+    compile_check "$@"
+  fi
   local mode=()
   case "$PROVISIONING" in
     spot) mode=(--spot);;
@@ -128,6 +162,10 @@ main_command() {  # the training command line every worker runs
 cmd_run() {
   need PROJECT ZONE TPU_NAME WORKDIR
   [ $# -gt 0 ] || die "run needs --config=FILE (and optional --config.* overrides)"
+  if [ "${CHECKED:-0}" != "1" ]; then
+    need ACCELERATOR_TYPE
+    compile_check "$@"
+  fi
   # Detached on every worker (a closed laptop loses nothing); each worker keeps its log
   # and, when the run ends, its exit code (75: preempted, run it again).
   tpu_ssh all "cd ~/$REMOTE_DIR && rm -f ~/bov_jax_exit_code && nohup bash -c '$(main_command "$@"); echo \$? > ~/bov_jax_exit_code' > ~/bov_jax_run.log 2>&1 &"
@@ -151,6 +189,8 @@ workdir_done() {  # sets ANSWER to yes when WORKDIR/DONE exists
 cmd_watch() {
   need PROJECT ZONE TPU_NAME ACCELERATOR_TYPE WORKDIR
   [ $# -gt 0 ] || die "watch needs --config=FILE (and optional --config.* overrides)"
+  compile_check "$@"
+  CHECKED=1  # the runs watch starts are this one
   local fresh=0  # workers that still need the code and a run
   while true; do
     workdir_done
@@ -191,8 +231,19 @@ cmd_watch() {
 cmd_sweep() {
   need PROJECT ZONE TPU_NAME WORKDIR
   [ $# -gt 0 ] || die "sweep needs --sweep=FILE"
-  (cd "$HERE" && python3 -m bov_jax.sweep "$@" --print --workdir_root="$WORKDIR" >/dev/null) ||
-    die "the sweep file does not load (python3 -m bov_jax.sweep $* --print)"
+  local points
+  points="$(cd "$HERE" && "$PY" -m bov_jax.sweep "$@" --print --workdir_root="$WORKDIR")" ||
+    die "the sweep file does not load ($PY -m bov_jax.sweep $* --print)"
+  if [ "${SKIP_COMPILE_CHECK:-0}" != "1" ]; then
+    need ACCELERATOR_TYPE
+    local line
+    local -a words args
+    while IFS= read -r line; do  # each point's own settings, its run directory left out
+      read -r -a words <<< "$line"
+      mapfile -t args < <(printf '%s\n' "${words[@]:3}" | grep -v '^--workdir=')
+      compile_check "${args[@]}"
+    done <<< "$points"
+  fi
   # One detached job on every worker runs the points in turn (each point uses the whole
   # pod), skipping finished ones, so running it again resumes the sweep; each point's
   # output goes to its run directory (log.txt).
@@ -221,7 +272,7 @@ cmd_delete() {
 }
 
 usage() {
-  sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,35p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
 sub="${1:-}"

@@ -7,10 +7,12 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {"PROJECT": "my-proj", "ZONE": "us-central2-b", "TPU_NAME": "bov-pod",
-       "ACCELERATOR_TYPE": "v5p-64", "WORKDIR": "gs://bucket/runs/bov780m", "DRY_RUN": "1"}
+       "ACCELERATOR_TYPE": "v5p-64", "WORKDIR": "gs://bucket/runs/bov780m", "DRY_RUN": "1",
+       "SKIP_COMPILE_CHECK": "1"}  # the compile check has tests of its own, below
+VENV_PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 
 
-def _tpu(*args, **env):
+def _tpu(*args, timeout=60, **env):
   full = dict(os.environ, **ENV)
   for k, v in env.items():
     if v is None:
@@ -18,7 +20,7 @@ def _tpu(*args, **env):
     else:
       full[k] = v
   return subprocess.run(["bash", "launch/tpu.sh", *args], capture_output=True, text=True,
-                        cwd=ROOT, env=full, timeout=60)
+                        cwd=ROOT, env=full, timeout=timeout)
 
 
 @pytest.mark.parametrize("sub", ["create", "setup", "run", "delete"])
@@ -115,3 +117,25 @@ def test_watch_stops_on_a_failed_run():
   out = _tpu("watch", "--config=configs/bov_780m.py", DRY_RUN_STATES="ACTIVE",
              DRY_RUN_EXIT_CODES="1", DRY_RUN_DONE="no")
   assert out.returncode == 2 and "exited with code 1" in out.stderr
+
+
+def test_a_run_that_does_not_fit_stops_before_any_gcloud_command():
+  """run compiles the run for ACCELERATOR_TYPE on this host first (--mode=compile): a
+  device batch whose eval step overflows a v5e chip's HBM stops it, exit 1, nothing
+  sent to gcloud."""
+  big = ("--config.train.device_batch_size=8192", "--config.train.batch_tokens=8388608")
+  for sub in ("run", "create"):
+    out = _tpu(sub, "--config=configs/tiny.py", *big, timeout=600, SKIP_COMPILE_CHECK=None,
+               ACCELERATOR_TYPE="v5litepod-4", COMPILE_PROGRAMS="eval", PYTHON=VENV_PYTHON,
+               JAX_PLATFORMS="cpu")
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert not _commands(out), out.stdout
+    assert "eval_step" in out.stderr and "does not fit v5litepod-4" in out.stderr
+
+
+def test_without_a_tpu_compiler_the_check_says_so_and_goes_on():
+  out = _tpu("run", "--config=configs/tiny.py", SKIP_COMPILE_CHECK=None,
+             PYTHON="false")  # a Python that imports nothing: no libtpu there
+  assert out.returncode == 0, out.stderr
+  assert "no TPU compiler on this host" in out.stderr
+  assert any("bov_jax.main" in c for c in _commands(out))

@@ -1,0 +1,127 @@
+"""The paper configs on TPU slices, compiled on this host: docs/pods.md's table.
+
+  python -m benchmarks.pods --runs=bov_780m:v5p-64,baseline_780m:v5p-64 \
+      [--programs=train,decode] [--set=model.remat=full ...: every run] [--json]
+
+For each CONFIG:TOPOLOGY (a file under configs/ and a gcloud accelerator type) it runs
+`--mode=compile`'s programs (bov_jax.aot) and reads the compiled train step's
+collectives from its HLO, each counted as often as one step runs it (while-loop trip
+counts applied, `benchmarks.dots.hlo_runs`): the bytes each chip all-gathers (an
+all-gather's result), reduce-scatters and all-reduces (their operand), sends through
+all-to-alls and collective permutes (the TPU compiler turns many gathers and scatters
+into rings of permutes). Beside them, what FSDP needs at the least: each step gathers
+every block weight once for the forward and once for the backward (per micro-batch)
+and reduce-scatters every gradient once, in the compute dtype. One record per run.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+
+import jax
+from absl import app
+from absl import flags
+
+from benchmarks import common
+from benchmarks.dots import hlo_runs
+from bov_jax import aot
+from bov_jax import config as config_lib
+from bov_jax import spec as spec_lib
+
+_RUNS = flags.DEFINE_list("runs", ["bov_780m:v5p-64", "baseline_780m:v5p-64"],
+                          "CONFIG:TOPOLOGY pairs (configs/CONFIG.py).")
+_PROGRAMS = flags.DEFINE_list("programs", ["train", "decode"], "What to compile.")
+_OVERRIDES = flags.DEFINE_multi_string("set", [], "KEY=VALUE config overrides for every run "
+                                       "(model.remat=full, mesh.fsdp=-1, ...).")
+
+_BYTES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "f16": 2, "pred": 1, "s8": 1, "u8": 1}
+_SHAPE = re.compile(r"\b(f32|bf16|s32|u32|f16|pred|s8|u8)\[([\d,]*)\]")
+_KINDS = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
+          "all-reduce": "all_reduce", "all-to-all": "all_to_all",
+          "collective-permute": "collective_permute"}
+
+
+def _bytes(text: str) -> int:
+  return sum(_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
+             for t, dims in _SHAPE.findall(text))
+
+
+def collectives(hlo_text: str) -> dict:
+  """{kind: bytes per chip per run of the module}: an all-gather counts its result, the
+  others their operands (for the async `-start` forms, the operand half of the tuple)."""
+  comps, runs = hlo_runs(hlo_text)
+  out = collections.Counter()
+  for comp, lines in comps.items():
+    for line in lines:
+      m = re.search(r"= (.*?) (all-gather|reduce-scatter|all-reduce|all-to-all|"
+                    r"collective-permute)(-start)?\(", line)
+      if not m or not runs[comp]:
+        continue
+      result, kind, start = m.groups()
+      if kind == "all-gather":
+        shapes = _SHAPE.findall(result)
+        n = _bytes(" ".join(f"{t}[{d}]" for t, d in shapes[len(shapes) // 2:])) if start \
+            else _bytes(result)
+      else:
+        n = _bytes(result[: len(result) // 2]) if start else _bytes(result)
+      out[_KINDS[kind]] += n * runs[comp]
+  return dict(out)
+
+
+def fsdp_floor(spec, report) -> dict:
+  """What FSDP moves per chip at the least in one step: every block and head weight
+  gathered for the forward and again for the backward per micro-batch, every gradient
+  reduce-scattered once (value tables excluded: they are never gathered)."""
+  from flax import nnx
+  from bov_jax import model as model_lib
+  fsdp = report["mesh"]["fsdp"]
+  if fsdp == 1:
+    return {"all_gather": 0, "reduce_scatter": 0}
+  state = nnx.state(model_lib.abstract(spec.model))
+  weights = sum(math.prod(v.shape) for path, v in nnx.to_flat_state(state)
+                if str(path[0]) != "tables")
+  dt = 2 if spec.model.dtype == "bfloat16" else 4
+  accum = report["spec"].get("accum", 1)
+  return {"all_gather": 2 * accum * weights * dt * (fsdp - 1) // fsdp,
+          "reduce_scatter": weights * 4 * (fsdp - 1) // fsdp}
+
+
+def run_one(name: str, topology: str) -> dict:
+  cfg = config_lib.from_file(f"configs/{name}.py")
+  for item in _OVERRIDES.value:
+    key, value = item.split("=", 1)
+    *parents, leaf = key.split(".")
+    node = cfg
+    for p in parents:
+      node = node[p]
+    old = node[leaf]
+    node[leaf] = value == "true" if isinstance(old, bool) else type(old)(value)
+  spec = spec_lib.resolve(cfg, backend="tpu")
+  kept = {}
+  report = aot.run(spec, topology, _PROGRAMS.value, log=lambda *_: None,
+                   on_compiled=lambda n, c: kept.__setitem__(n, c.as_text()))
+  record = {"config": name, "topology": topology, "fits": report["fits"],
+            "mesh": report["mesh"], "hbm_gib": round(report["hbm_bytes_per_chip"] / aot.GiB, 2)}
+  for prog, fig in report["programs"].items():
+    if prog == "prefill":
+      continue
+    record[prog] = {k: fig.get(k) for k in ("peak_bytes", "compile_s", "max_batch",
+                                            "cache_bytes_per_sequence") if k in fig}
+  if "train_step" in kept:
+    record["train_step"]["collectives"] = collectives(kept["train_step"])
+    record["train_step"]["fsdp_floor"] = fsdp_floor(spec, report)
+  return record
+
+
+def main(argv):
+  del argv
+  jax.config.update("jax_enable_compilation_cache", False)
+  for item in _RUNS.value:
+    name, topology = item.split(":")
+    common.emit(run_one(name, topology))
+
+
+if __name__ == "__main__":
+  app.run(main)
