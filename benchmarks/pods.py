@@ -60,13 +60,11 @@ def collectives(hlo_text: str) -> dict:
       if not m or not runs[comp]:
         continue
       result, kind, start = m.groups()
-      if kind == "all-gather":
-        shapes = _SHAPE.findall(result)
-        n = _bytes(" ".join(f"{t}[{d}]" for t, d in shapes[len(shapes) // 2:])) if start \
-            else _bytes(result)
-      else:
-        n = _bytes(result[: len(result) // 2]) if start else _bytes(result)
-      out[_KINDS[kind]] += n * runs[comp]
+      shapes = [(t, d) for t, d in _SHAPE.findall(result) if d]  # u32[] are sync flags
+      if start and len(shapes) > 1:  # an async start's (operands, results) tuple
+        half = len(shapes) // 2
+        shapes = shapes[half:] if kind == "all-gather" else shapes[:half]
+      out[_KINDS[kind]] += _bytes(" ".join(f"{t}[{d}]" for t, d in shapes)) * runs[comp]
   return dict(out)
 
 

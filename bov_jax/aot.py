@@ -247,8 +247,10 @@ def max_decode_batch(dec: Decoding, limit: int, log=print) -> tuple[int, dict | 
 # -- the mode --------------------------------------------------------------------------
 
 PROGRAMS = ("train", "eval", "decode")
-LOWER_IT = ("model.remat (dots_no_batch, then full), train.device_batch_size, "
-            "or a mesh that splits more (mesh.fsdp, mesh.tensor)")
+# What lowers each program's bytes per chip.
+LOWER_TRAIN = ("model.remat (dots_no_batch, then full), train.device_batch_size, or a mesh "
+               "that splits more (mesh.fsdp, mesh.tensor)")
+LOWER_DECODE = "a mesh that splits more (mesh.fsdp, mesh.tensor), or a shorter model.sequence_len"
 
 
 def memory_line(name: str, m: dict, hbm: int | None = None) -> str:
@@ -306,52 +308,90 @@ def run(spec, topology: str, programs=PROGRAMS, log=print, on_compiled=None) -> 
       if name in programs:
         add(f"{name}_step", lambda name=name: lowered[f"{name}_step"])
   if "decode" in programs:
-    dec = Decoding(spec, mesh)
-    report["spec"]["decode_attention"] = dec.model_spec.decode_attention
-    best, fig = max_decode_batch(dec, limit, log)
-    per_seq = dec.cache_bytes_per_sequence()
-    step = {"max_batch": best, "cache_bytes_per_sequence": per_seq, **(fig or {})}
-    step["fits"] = best > 0
-    out["decode_step"] = step
-    if best:
-      log(memory_line(f"decode_step (max_batch {best}, cache {per_seq / 2**20:.1f} MiB a sequence)",
-                fig, hbm))
-    else:
-      log("decode_step: not even one batch of "
-          f"{dec.unit} sequence(s) fits ({per_seq / 2**20:.1f} MiB of cache a sequence)")
-      failed.append("decode_step")
-    T = m.sequence_len
-    prefill = {}
-    for label, batch in (("one_sequence", 1), ("max_batch", best)):
-      if batch == 0:
-        continue
-      chunk = T
-      while True:  # the whole context at once, else halves of it
-        fig = _try(lambda b=batch, c=chunk: dec.prefill(b, c))
-        if (fig is not None and fig["peak_bytes"] <= limit) or chunk <= 128:
-          break
-        chunk //= 2
-      fig = dict(fig or {"peak_bytes": None}, batch=batch, chunk=chunk)
-      fig["fits"] = fig["peak_bytes"] is not None and fig["peak_bytes"] <= limit
-      prefill[label] = fig
-      if fig["peak_bytes"] is not None:
-        log(memory_line(f"prefill ({batch} sequence(s), chunks of {chunk} tokens)", fig, hbm))
-      if not fig["fits"]:
-        log(f"prefill ({batch} sequence(s)): does not fit in chunks of 128 tokens")
-        failed.append(f"prefill at batch {batch}")
-    out["prefill"] = prefill
+    decoding(Decoding(spec, mesh), limit, hbm, report, failed, log)
   report["fits"] = not failed
   report["failed"] = failed
   return report
 
 
+MIN_CHUNK = 128  # prefill chunks: the whole context, halved down to this many tokens
+
+
+def _fits(fig, limit) -> bool:
+  return fig is not None and fig["peak_bytes"] <= limit
+
+
+def prefill_chunk(dec: Decoding, batch: int, limit: int, start: int):
+  """(chunk, figures) of the largest chunk of the context, from `start` halving down to
+  MIN_CHUNK, whose prefill at `batch` sequences fits; else (0, the smallest chunk's
+  figures, None where it overflows)."""
+  chunk, fig = start, None
+  while chunk >= MIN_CHUNK:
+    fig = _try(lambda c=chunk: dec.prefill(batch, c))
+    if _fits(fig, limit):
+      return chunk, fig
+    chunk //= 2
+  return 0, fig
+
+
+def decoding(dec: Decoding, limit: int, hbm: int, report: dict, failed: list, log) -> None:
+  """Decoding's figures into the report: `decode_step` at max_batch, the largest batch
+  whose decode step fits and whose prompts prefill in chunks that fit too (prefill
+  needs more than a decode step: a chunk's activations beside the whole cache), and
+  `prefill` at one sequence and at max_batch."""
+  out = report["programs"]
+  report["spec"]["decode_attention"] = dec.model_spec.decode_attention
+  per_seq = dec.cache_bytes_per_sequence()
+  best, step = max_decode_batch(dec, limit, log)
+  T = dec.model_spec.sequence_len
+  one = prefill_chunk(dec, 1, limit, T)
+  at_best = (0, None)
+  for _ in range(4):  # fewer sequences until their prefill fits in some chunk
+    if best == 0:
+      break
+    at_best = prefill_chunk(dec, best, limit, min(T, 4 * MIN_CHUNK))
+    if at_best[0]:
+      break
+    over = at_best[1]  # the smallest chunk's peak, None where it overflowed HBM
+    if over is None:
+      best = best // 2 // dec.unit * dec.unit
+    else:  # the peak falls about in proportion to the sequences
+      fewer = -(-(over["peak_bytes"] - limit) * best // over["peak_bytes"])
+      best = max(0, (best - max(dec.unit, fewer)) // dec.unit * dec.unit)
+    log(f"  prefill does not fit beside the decode step's max_batch cache: trying {best}")
+    step = _try(lambda b=best: dec.decode_step(b)) if best else None
+  if best and not at_best[0]:
+    best, step, at_best = 0, None, (0, None)
+  out["decode_step"] = dict(step or {}, max_batch=best, cache_bytes_per_sequence=per_seq,
+                            fits=best > 0)
+  if best:
+    log(memory_line(f"decode_step (max_batch {best}, {per_seq / 2**20:.1f} MiB of cache a "
+                    "sequence)", step, hbm))
+  else:
+    log(f"decode_step: no batch of a multiple of {dec.unit} sequences decodes and prefills "
+        f"within {limit / GiB:.2f} GiB ({per_seq / 2**20:.1f} MiB of cache a sequence)")
+    failed.append("decode_step")
+  out["prefill"] = {}
+  for label, batch, (chunk, fig) in (("one_sequence", 1, one), ("max_batch", best, at_best)):
+    if batch == 0:
+      continue
+    out["prefill"][label] = dict(fig or {"peak_bytes": None}, batch=batch, chunk=chunk,
+                                 fits=chunk > 0)
+    if not chunk:
+      log(f"prefill ({batch} sequence(s)): does not fit in chunks of {MIN_CHUNK} tokens")
+      failed.append(f"prefill at batch {batch}")
+    else:
+      log(memory_line(f"prefill ({batch} sequence(s), chunks of {chunk} tokens)", fig, hbm))
+
+
 def overflow_message(report: dict) -> str:
   """One line: what does not fit, its peak against HBM, and the settings that lower it."""
   hbm = report["hbm_bytes_per_chip"]
-  parts = []
+  parts, training = [], False
   for name in report["failed"]:
-    fig = report["programs"].get(name.split(" ")[0], {})
+    fig = report["programs"].get(name, {})
     peak = fig.get("peak_bytes")
     parts.append(f"{name} ({'over HBM' if peak is None else f'peak {peak / GiB:.2f} GiB'})")
+    training = training or name in ("train_step", "eval_step")
   return (f"does not fit {report['topology']} ({FIT:.0%} of {hbm / GiB:.2f} GiB HBM per chip): "
-          + "; ".join(parts) + f"; lower it with {LOWER_IT}")
+          + "; ".join(parts) + f"; lower it with {LOWER_TRAIN if training else LOWER_DECODE}")

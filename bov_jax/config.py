@@ -67,8 +67,9 @@ def base_config() -> ml_collections.ConfigDict:
                               # table gather inside the attention kernel (kernels/bank_decode.py)
   m.remat = "none"            # none | dots | dots_no_batch | full: what each layer's
                               # backward recomputes instead of storing
-  m.scan = True               # repeated blocks of layers run under one lax.scan, so the
-                              # compile time does not grow with depth (false: unrolled)
+  m.scan = "auto"             # auto | true | false: repeated blocks of layers run under
+                              # one lax.scan, so compile time does not grow with depth;
+                              # auto: on accelerators (CPU steps run faster unrolled)
   m.value = v = ml_collections.ConfigDict()
   v.preset = ""               # a reference model_type name; sets the four below
   v.source = config_dict.placeholder(str)    # residual | x0 | v1 | table
@@ -218,6 +219,7 @@ def validate(cfg) -> None:
                       f"{SPLASH_BLOCK} (Splash's block rows); got {m.sequence_len}")
   _choice("model.decode_attention", m.decode_attention, DECODE_ATTENTION)
   _choice("model.remat", m.remat, tuple(REMAT_POLICIES))
+  _choice("model.scan", m.scan, TRISTATE)
   _choice("model.table_lookup", m.table_lookup, TABLE_LOOKUPS)
   for name in ("dtype", "param_dtype"):
     _choice(f"model.{name}", m[name], DTYPES)

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bov_jax import sharding
 from bov_jax import values
@@ -204,8 +205,53 @@ def attend(ls: LayerSettings, q_BTHE, k_BTKE, v_BTKE, c: LayerCache, table=None,
                            interpret=ls.decode_interpret)
     return y, entry
   cut = _window(ls.window, start, S, K) if T == 1 else None
-  rows, seqs, kpos = cut or (lambda x: x, lambda x: x, jnp.broadcast_to(jnp.arange(S), (B, S)))
   pos = start[:, None] + jnp.arange(T)[None, :]
+  if ls.lv.is_bank and cut is None and S % BANK_BLOCK == 0 and S > BANK_BLOCK:
+    return bank_in_blocks(ls, q_BTHE, keys, c.whole["ids"], table, coeffs, pos,
+                          BANK_BLOCK), entry
+  rows, seqs, kpos = cut or (lambda x: x, lambda x: x, jnp.broadcast_to(jnp.arange(S), (B, S)))
   y = attention.attend(q_BTHE, rows(keys), _values(ls, c, table, coeffs, rows, seqs),
                        pos, kpos, ls.window)
   return y, entry
+
+
+BANK_BLOCK = 512  # cached positions a bank layer gathers at a time (XLA's path)
+
+
+def bank_in_blocks(ls: LayerSettings, q_BTHE, k_NSE, ids_BS, table, coeffs, qpos_BT,
+                   block: int):
+  """A bank layer's attention over its whole cache a block of positions at a time, its
+  values gathered block by block under a lax.scan with an online softmax (flash
+  decoding): only one block's rows ever exist, not a value buffer as large as the
+  value cache the layer saves (which prefill beside a full cache could not afford)."""
+  B, T, H, E = q_BTHE.shape
+  N, S, _ = k_NSE.shape
+  K = N // B
+  q_NME = attention._query_heads(q_BTHE, K).reshape(N, (H // K) * T, E)
+
+  def body(carry, j):
+    m, l, acc = carry
+    keys = jax.lax.dynamic_slice_in_dim(k_NSE, j * block, block, axis=1)
+    ids = jax.lax.dynamic_slice_in_dim(ids_BS, j * block, block, axis=1)
+    rows = sharding.table_lookup(table, ids, ls.table_lookup).astype(k_NSE.dtype)
+    vals = values.combine(ls.lv, None, attention.kv_rows(rows.reshape(B, block, K, E)), coeffs)
+    scores = jnp.einsum("nme,nse->nms", q_NME, keys,
+                        preferred_element_type=jnp.float32) / np.sqrt(E)
+    delta = qpos_BT[:, :, None] - (j * block + jnp.arange(block))[None, None, :]  # [B, T, s]
+    visible = (delta >= 0) & (delta <= ls.window)
+    visible = jnp.broadcast_to(visible[:, None, None], (B, K, H // K, T, block))
+    scores = jnp.where(visible.reshape(N, -1, block), scores, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
+    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with nothing visible yet
+    p = jnp.exp(scores - shift)
+    alpha = jnp.exp(m - shift)
+    acc = alpha * acc + jnp.einsum("nms,nse->nme", p.astype(vals.dtype), vals,
+                                   preferred_element_type=jnp.float32)
+    return (m_new, alpha * l + jnp.sum(p, axis=-1, keepdims=True), acc), None
+
+  M = q_NME.shape[1]
+  init = (jnp.full((N, M, 1), -jnp.inf, jnp.float32), jnp.zeros((N, M, 1), jnp.float32),
+          jnp.zeros((N, M, E), jnp.float32))
+  (_, l, acc), _ = jax.lax.scan(body, init, jnp.arange(S // block))
+  out = (acc / l).astype(q_BTHE.dtype).reshape(B, K, H // K, T, E)
+  return attention._tokens_major(out)

@@ -220,7 +220,8 @@ def _model(m, backend: str) -> ModelSpec:
       decode_attention=decode,
       table_lookup="shard_map" if m.table_lookup == "auto" else m.table_lookup,
       remat=m.remat,
-      scan=bool(m.scan),
+      # XLA's CPU backend runs the unrolled step faster and compiles it in less time
+      scan=_tristate(m.scan, backend != "cpu"),
       # cache-sized chunks on CPU; large ones keep an accelerator's matmuls full
       loss_chunk=m.loss_chunk or (256 if backend == "cpu" else 2048),
       platform=backend,

@@ -192,7 +192,7 @@ class _Loop:
     """The train step compiled before its first call, with the bytes it takes per
     device logged (what --mode=compile reports for a slice)."""
     compiled = self.trainer.train_step.lower(self.params, self.opt_state, *batch).compile()
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     log(aot.memory_line("train_step", aot.memory(compiled), stats.get("bytes_limit")))
     return compiled
 

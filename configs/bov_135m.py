@@ -5,6 +5,8 @@ from bov_jax.config import depth_config
 def get_config():
   c = depth_config(12, preset="gpt_base_v_from_value_emb_learn")
   c.train.batch_tokens = 524288
-  c.train.device_batch_size = 16
+  # 8 rows of 2,048 tokens a chip per micro-batch: 16 overflow a v5e chip's 16 GB with
+  # no remat (python -m bov_jax.main --mode=compile --topology=v5e-16; docs/pods.md)
+  c.train.device_batch_size = 8
   c.train.target_flops = 1.5e18
   return c

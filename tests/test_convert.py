@@ -1,4 +1,5 @@
 """Checkpoint import from the reference: every variant's logits against a numpy oracle."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 from flax import nnx
 
 from bov_jax import convert
+from bov_jax import model as model_lib
 from bov_jax import values
 from tests import helpers
 from tests.helpers import model_spec
@@ -27,10 +29,17 @@ def test_every_reference_variant_is_a_preset():
   assert set(helpers.REF_VARIANTS) == set(values.PRESETS)
 
 
+@pytest.mark.parametrize("scan", [False, True])
 @pytest.mark.parametrize("model_type", sorted(helpers.REF_VARIANTS))
-def test_logits_match_reference_formulas(model_type):
+def test_logits_match_reference_formulas(model_type, scan):
+  """Unrolled (the CPU's default) and with the layers run as scanned stages (the
+  accelerators'), the same weights give the reference's logits."""
   sd = helpers.random_reference_state_dict(model_type, DIMS)
   model = convert.from_nanochat(sd, model_type, **DIMS)
+  if scan:
+    spec = dataclasses.replace(model.spec, scan=True)
+    assert any(stage.scanned for stage in spec.stages)
+    model = nnx.merge(nnx.graphdef(model_lib.abstract(spec)), nnx.state(model))
   idx = _tokens()
   got = np.asarray(model(jnp.asarray(idx)))
   assert got.dtype == np.float32 and got.shape == (2, 300, DIMS["vocab_size"])

@@ -11,6 +11,7 @@ from flax import nnx
 from bov_jax import inference
 from bov_jax import kvcache
 from bov_jax import values
+from bov_jax.kernels import attention
 from bov_jax.kernels import sampling
 from bov_jax import model as model_lib
 from tests.helpers import model_spec, random_model, small_config
@@ -25,10 +26,29 @@ def _shapes(preset):
   return model_lib.abstract(model_spec(small_config(preset)))
 
 
-@pytest.mark.parametrize("preset", sorted(values.PRESETS))
-def test_prefill_and_decode_equal_full_forward(preset):
-  """Every step's logits, past the 8-token sliding window, for every value mode."""
-  m = _model(preset, n_layer=3, sequence_len=48, short_window=8)
+SCANNED = ["gpt_base", "gpt_base_v_from_value_emb_learn", "gpt_base_v_from_v1_every_layer",
+           "gpt_base_v_from_x0_learn", "gpt_base_v_from_value_emb_learn_shared"]
+
+
+@pytest.mark.parametrize("preset, scan", [(p, "auto") for p in sorted(values.PRESETS)]
+                         + [(p, "true") for p in SCANNED])
+def test_prefill_and_decode_equal_full_forward(preset, scan):
+  """Every step's logits, past the 8-token sliding window, for every value mode; and
+  with the layers as scanned stages (each stage's cache stacked) for some."""
+  m = _model(preset, n_layer=4, sequence_len=48, short_window=8, scan=scan)
+  assert any(s.scanned for s in m.spec.stages) == (scan == "true")
+  _prefill_and_decode_equal_full_forward(m)
+
+
+def test_bank_layers_in_blocks_decode_as_the_full_forward(monkeypatch):
+  """The same with the bank layers' values gathered in blocks of 16 cached positions."""
+  monkeypatch.setattr(kvcache, "BANK_BLOCK", 16)
+  _prefill_and_decode_equal_full_forward(
+      _model("gpt_base_v_from_value_emb_learn", n_layer=4, sequence_len=48, short_window=8,
+             window_pattern="L"))
+
+
+def _prefill_and_decode_equal_full_forward(m):
   graphdef, state = nnx.split(m)
   rng = np.random.default_rng(0)
   seq = jnp.asarray(rng.integers(0, 100, (2, 30)), jnp.int32)
@@ -245,3 +265,23 @@ def test_greedy_is_argmax():
   got = np.asarray(sampling.greedy(jnp.asarray(z), "cpu"))
   np.testing.assert_array_equal(got, np.argmax(z, axis=-1))
   assert got.dtype == np.int32 and got[0, 0] == 7
+
+
+def test_bank_layer_attends_block_by_block_as_whole():
+  """A bank layer's XLA path over a long cache gathers its rows a block at a time
+  (online softmax): the output equals gathering them all, with blocks before the
+  window, after the query, and partly visible."""
+  spec = model_spec(small_config("gpt_base_v_from_value_emb_learn", n_embd=64, n_head=4,
+                                 n_kv_head=2))
+  ls = kvcache.layer_settings(spec, spec.layers[-1], 10)
+  rng = np.random.default_rng(0)
+  B, T, H, K, E, S, V = 2, 3, 4, 2, 16, 64, 50
+  q = jnp.asarray(rng.normal(size=(B, T, H, E)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(B * K, S, E)), jnp.float32)
+  ids = jnp.asarray(rng.integers(0, V, (B, S)), jnp.int32)
+  table = jnp.asarray(rng.normal(size=(V, K * E)), jnp.float32)
+  qpos = jnp.asarray([[10, 11, 12], [58, 59, 60]])  # the second sees only the last block
+  got = kvcache.bank_in_blocks(ls, q, k, ids, table, {"gamma": jnp.float32(0.7)}, qpos, 16)
+  rows = attention.kv_rows((0.7 * table[ids]).reshape(B, S, K, E))
+  want = attention.attend(q, k, rows, qpos, jnp.broadcast_to(jnp.arange(S), (B, S)), 10)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)

@@ -90,10 +90,13 @@ def sgd_step_on_mesh_and_one_device(cfg, idx, shape):
   return (ref_params, ref_out), (new_params, out), p8
 
 
-@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 8, 1), (1, 2, 4)])
-def test_sharded_step_equals_unsharded(shape):
-  """Loss and gradients (through the accumulation scan, tables included) match one device."""
-  cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=120, n_layer=3)
+@pytest.mark.parametrize("shape, scan", [((2, 2, 2), "true"), ((1, 8, 1), "true"),
+                                         ((1, 2, 4), "true"), ((1, 8, 1), "false")])
+def test_sharded_step_equals_unsharded(shape, scan):
+  """Loss and gradients (through the accumulation scan and the layers' scan, tables
+  included) match one device."""
+  cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=120, n_layer=3, scan=scan)
+  assert any(s.scanned for s in model_spec(cfg).stages) == (scan == "true")
   idx = jax.random.randint(jax.random.key(3), (2, 8, 17), 0, 120)  # 2 micro-batches of 8 rows
   (ref_params, ref_out), (new_params, out), p8 = sgd_step_on_mesh_and_one_device(cfg, idx, shape)
   assert float(out["train_loss"]) == pytest.approx(float(ref_out["train_loss"]), rel=1e-5)
