@@ -8,7 +8,6 @@ import platform
 import subprocess
 import sys
 
-import jax
 import pytest
 
 from bov_jax import aot

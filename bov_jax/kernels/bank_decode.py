@@ -29,7 +29,6 @@ the same keys) are summed with `psum`.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
