@@ -224,7 +224,6 @@ def max_decode_batch(dec: Decoding, limit: int, log=print) -> tuple[int, dict | 
     return 0, first
   found = {u: first}
   lo, hi = u, None  # the largest batch known to fit, the smallest known not to
-  slope = None
   guess = 2 * u
   for _ in range(10):
     if hi is not None and hi - lo <= u:
