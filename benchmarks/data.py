@@ -31,7 +31,7 @@ from absl import logging
 from benchmarks import common
 from bov_jax import corpus as corpus_lib
 from bov_jax import data
-from bov_jax import run as run_lib
+from bov_jax import process
 from bov_jax import step as step_lib
 from bov_jax import tokenizer as tok_lib
 
@@ -62,7 +62,7 @@ def write_synthetic(directory: str, shards: int, groups_per_shard: int, seed: in
 
 
 def bench_data(spec, seconds: float, tokenizer_chars: int) -> dict:
-  train, _ = run_lib.documents(spec)
+  train, _ = process.documents(spec)
   if spec.data.tokenizer:
     tok = tok_lib.load(spec.data.tokenizer)
   else:
@@ -104,4 +104,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(common.with_extras(main))

@@ -78,4 +78,4 @@ def main(argv):
 if __name__ == "__main__":
   from bov_jax import hostmem
   hostmem.reexec_with_huge_pages()  # as bov_jax.main does on CPU: see hostmem.py
-  app.run(main)
+  app.run(common.with_extras(main))

@@ -29,6 +29,7 @@ from absl import flags
 from absl import logging
 
 from benchmarks import common
+from bov_jax import extras
 
 _REFERENCE = flags.DEFINE_enum("reference", None, ["torch"],
                                "Also time each matmul in PyTorch (eager, needs torch).")
@@ -186,7 +187,7 @@ def time_dot_torch(dot: Dot, reps: int = 15) -> float:
   """Best seconds of the same contraction in PyTorch (einsum, operands in the same
   layouts), on as many threads as this host has cores."""
   import numpy as np
-  import torch
+  torch = extras.require("torch", "torch", "timing dots in PyTorch")
   torch.set_num_threads(os.cpu_count() or 1)
   rng = np.random.default_rng(0)
   (la, lperm, lt), (ra, rperm, rt) = (_operand(rng, *dot.lhs), _operand(rng, *dot.rhs))
@@ -245,4 +246,4 @@ def main(argv):
 if __name__ == "__main__":
   from bov_jax import hostmem
   hostmem.reexec_with_huge_pages()  # as bov_jax.main does on CPU: see hostmem.py
-  app.run(main)
+  app.run(common.with_extras(main))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import re
 
 import jax
@@ -33,6 +34,8 @@ from bov_jax import spec as spec_lib
 _RUNS = flags.DEFINE_list("runs", ["bov_780m:v5p-64", "baseline_780m:v5p-64"],
                           "CONFIG:TOPOLOGY pairs (configs/CONFIG.py).")
 _PROGRAMS = flags.DEFINE_list("programs", ["train", "decode"], "What to compile.")
+_HLO_DIR = flags.DEFINE_string("hlo_dir", None, "Also write each compiled train step's HLO "
+                               "here (CONFIG-TOPOLOGY.hlo.txt), to read its collectives again.")
 _OVERRIDES = flags.DEFINE_multi_string("set", [], "KEY=VALUE config overrides for every run "
                                        "(model.remat=full, mesh.fsdp=-1, ...).")
 
@@ -73,6 +76,7 @@ def fsdp_floor(spec, report) -> dict:
   gathered for the forward and again for the backward per micro-batch, every gradient
   reduce-scattered once (value tables excluded: they are never gathered)."""
   from flax import nnx
+
   from bov_jax import model as model_lib
   fsdp = report["mesh"]["fsdp"]
   if fsdp == 1:
@@ -107,6 +111,10 @@ def run_one(name: str, topology: str) -> dict:
       continue
     record[prog] = {k: fig.get(k) for k in ("peak_bytes", "compile_s", "max_batch",
                                             "cache_bytes_per_sequence") if k in fig}
+  if "train_step" in kept and _HLO_DIR.value:
+    os.makedirs(_HLO_DIR.value, exist_ok=True)
+    with open(os.path.join(_HLO_DIR.value, f"{name}-{topology}.hlo.txt"), "w") as f:
+      f.write(kept["train_step"])
   if "train_step" in kept:
     record["train_step"]["collectives"] = collectives(kept["train_step"])
     record["train_step"]["fsdp_floor"] = fsdp_floor(spec, report)
@@ -122,4 +130,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(common.with_extras(main))

@@ -63,7 +63,8 @@ def profile_summary(trace_dir: str, top: int = 25) -> str:
     lines += [f"  {us / 1e3:9.2f} ms {us / total:6.1%}  {kind}"
               for kind, us in by_kind.most_common()]
   else:  # a CPU fusion's name ("ynn_fusion.2") says nothing of whether it holds a matmul
-    lines.append("  (by kind: accelerators only; XLA's CPU fusion names do not say what they compute)")
+    lines.append("  (by kind: accelerators only; XLA's CPU fusion names do not say what they "
+                 "compute)")
   lines += [f"  {us / 1e3:9.2f} ms {us / total:6.1%}  {name[:110]}"
             for name, us in by_name.most_common(top)]
   return "\n".join(lines)

@@ -22,6 +22,7 @@ from absl import logging
 
 from benchmarks import common
 from benchmarks import profile as profile_lib
+from bov_jax import extras
 
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps.")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps after compilation.")
@@ -41,7 +42,8 @@ def bench_train(spec, steps: int, warmup: int, reference: str | None = None,
          "peak_flops": common.peak_flops()}
   runs = {"bov_jax": stepper.run}
   if reference is not None:
-    from benchmarks import torch_reference  # imports torch
+    extras.require("torch", "torch", "--reference (the PyTorch reference step)")
+    from benchmarks import torch_reference
     runs["torch"], ref = torch_reference.make_step(spec, compiled=reference == "torch_compiled")
   dt = common.time_interleaved(runs, steps, warmup)
   if profile:
@@ -71,4 +73,4 @@ def main(argv):
 if __name__ == "__main__":
   from bov_jax import hostmem
   hostmem.reexec_with_huge_pages()  # as bov_jax.main does on CPU: see hostmem.py
-  app.run(main)
+  app.run(common.with_extras(main))

@@ -99,7 +99,8 @@ def devices(name: str):
                                         **bounds)
   except Exception as e:  # noqa: BLE001 - no libtpu, or it refuses the topology
     raise TopologyError(f"cannot describe {name} for the TPU compiler ({type(e).__name__}: "
-                        f"{str(e)[:200]}); install it with pip install '.[tpu]' (Linux x86-64)")
+                        f"{str(e)[:200]}); install it with pip install '.[tpu]' (Linux x86-64)"
+                        ) from None
   return list(desc.devices), chip
 
 

@@ -1,128 +1,23 @@
-"""Run directories and orbax checkpoints.
+"""Orbax checkpoints of a run: save and restore (the run directory's layout is rundir.py's).
 
-Layout of a workdir (local or gs://):
-  config.json            the run's config: a resume compares the config it is asked for
-                         with this one (refusing changes it cannot restore) and
-                         rewrites it with the changes it takes
-  config_changes.jsonl   one line per resume that changed a setting
-  checkpoints/<step>/    orbax CheckpointManager steps; items `params` (parameters),
-                         `opt` (optimizer state), `data` (iterator state), `meta`
-  tokenizer.json, metrics.jsonl, events.out.tfevents.* (TensorBoard), DONE
-
-Orbax writes each step to a temporary directory and renames it when complete,
-so a killed run never leaves a half-written checkpoint that looks finished.
+Each checkpoint step holds the items `params` (parameters), `opt` (optimizer state),
+`data` (each process's data-iterator state) and `meta`. Orbax writes each step to a
+temporary directory and renames it when complete, so a killed run never leaves a
+half-written checkpoint that looks finished.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import time
 from typing import NamedTuple
 
 import jax
-import ml_collections
 import orbax.checkpoint as ocp
-from etils import epath
 
-from bov_jax import config as config_lib
-
-
-class RunDirError(ValueError):
-  """A workdir that cannot hold, or resume, the requested run."""
+from bov_jax import rundir
 
 
 class CorruptCheckpointError(RuntimeError):
   """Checkpoints exist but none of them reads back."""
-
-
-def path(workdir: str) -> epath.Path:
-  """The workdir as a path (absolute when local); an existing file is refused."""
-  p = epath.Path(workdir if "://" in workdir else os.path.abspath(workdir))
-  if p.exists() and not p.is_dir():
-    raise RunDirError(f"--workdir={workdir} is a file; expected a directory (new or a run's)")
-  return p
-
-
-def checkpoint_dir(workdir: str) -> str:
-  return str(path(workdir) / "checkpoints")
-
-
-# -- the config of record -------------------------------------------------------------
-
-def read_config(workdir: str) -> ml_collections.ConfigDict | None:
-  """The workdir's config.json over the schema's defaults (so a config written before
-  a setting existed still reads), or None when there is none."""
-  p = path(workdir) / "config.json"
-  if not p.exists():
-    return None
-  cfg = config_lib.base_config()
-  for key, value in config_lib.flatten(json.loads(p.read_text())).items():
-    *parents, name = key.split(".")
-    node = cfg
-    for part in parents:
-      node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
-    if isinstance(node, ml_collections.ConfigDict) and name in node:
-      with node.ignore_type():
-        node[name] = value
-  return cfg
-
-
-def write_config(workdir: str, cfg) -> None:
-  d = path(workdir)
-  d.mkdir(parents=True, exist_ok=True)
-  (d / "config.json").write_text(cfg.to_json(indent=2))
-
-
-def check_config(workdir: str, cfg) -> dict | None:
-  """The settings `cfg` changes against the workdir's config of record ({name: (old, new)};
-  None for a new workdir). Once the workdir holds a checkpoint, a change it cannot restore
-  (config.FIXED_ON_RESUME) is refused, naming each setting and both values. Every process
-  checks; only process 0 records (record_config)."""
-  old = read_config(workdir)
-  if old is None:
-    return None
-  delta = config_lib.changes(old, cfg)
-  fixed = config_lib.fixed_changes(delta)
-  if fixed and saved_steps(workdir):
-    lines = "\n".join(f"  {k}: the run has {a!r}, asked for {b!r}" for k, (a, b) in fixed.items())
-    raise RunDirError(
-        f"--workdir={workdir} holds a run whose checkpoints cannot restore into the requested "
-        f"config; these settings differ:\n{lines}\nUse a new --workdir, or leave them as the "
-        "run has them (--mode=eval and --mode=sample need no --config: they read the run's)")
-  return delta
-
-
-def record_config(workdir: str, cfg, delta: dict | None, log=print) -> None:
-  """Makes `cfg` the workdir's config of record: a new workdir takes it as is; a resume
-  that changed settings (`delta`, from check_config) logs them and appends them to
-  config_changes.jsonl."""
-  if delta is None:
-    write_config(workdir, cfg)
-  elif delta:
-    log("resuming with changed settings: "
-        + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in delta.items()))
-    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-              "after_step": max(saved_steps(workdir), default=None),
-              "changes": {k: [a, b] for k, (a, b) in delta.items()}}
-    changes = path(workdir) / "config_changes.jsonl"
-    before = changes.read_text() if changes.exists() else ""
-    changes.write_text(before + json.dumps(record) + "\n")
-    write_config(workdir, cfg)
-
-
-def adopt_config(workdir: str, cfg, log=print) -> None:
-  """check_config, then record_config: one process's whole step."""
-  record_config(workdir, cfg, check_config(workdir, cfg), log)
-
-
-# -- orbax ------------------------------------------------------------------------------
-
-def saved_steps(workdir: str) -> list[int]:
-  """The steps checkpointed in a workdir, from its listing alone (no orbax manager: making
-  one is a collective every process must join)."""
-  d = path(workdir) / "checkpoints"
-  return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
 
 
 def _abstract(tree):
@@ -156,7 +51,7 @@ class Checkpoints:
     self.workdir = workdir
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=async_save)
-    self.mgr = ocp.CheckpointManager(checkpoint_dir(workdir), options=options)
+    self.mgr = ocp.CheckpointManager(rundir.checkpoints(workdir), options=options)
 
   def latest_step(self):
     return self.mgr.latest_step()
@@ -187,7 +82,7 @@ class Checkpoints:
       try:
         out = self.mgr.restore(step, args=ocp.args.Composite(**items))
       except Exception as e:  # noqa: BLE001 - any unreadable step: fall back, loudly
-        log(f"warning: checkpoint {checkpoint_dir(self.workdir)}/{step} is unreadable "
+        log(f"warning: checkpoint {rundir.checkpoints(self.workdir)}/{step} is unreadable "
             f"({type(e).__name__}: {str(e)[:200]}); trying the previous one")
         continue
       meta = {}
@@ -198,8 +93,8 @@ class Checkpoints:
       data_restored = False
       if data_iter is not None:
         import grain
-        mine = (f"process_{jax.process_index()}-of-{jax.process_count()}.json")
-        if (path(self.workdir) / "checkpoints" / str(step) / "data" / mine).exists():
+        if rundir.checkpoint_data(self.workdir, step, jax.process_index(),
+                                  jax.process_count()).exists():
           self.mgr.restore(step, args=ocp.args.Composite(
               data=grain.checkpoint.CheckpointRestore(data_iter)))
           data_restored = True
@@ -211,7 +106,7 @@ class Checkpoints:
                       meta, data_restored)
     if self.all_steps():
       raise CorruptCheckpointError(
-          f"no checkpoint under {checkpoint_dir(self.workdir)} could be read "
+          f"no checkpoint under {rundir.checkpoints(self.workdir)} could be read "
           f"(steps {self.all_steps()})")
     return None
 
@@ -222,8 +117,8 @@ class Checkpoints:
 
 def save_params(workdir: str, cfg, params, step: int) -> str:
   """A parameters-only checkpoint and the config (checkpoint import)."""
-  write_config(workdir, cfg)
+  rundir.write_config(workdir, cfg)
   ckpts = Checkpoints(workdir, async_save=False)
   ckpts.save(step, params, meta={"step": step}, force=True)
   ckpts.close()
-  return f"{checkpoint_dir(workdir)}/{step}"
+  return f"{rundir.checkpoints(workdir)}/{step}"

@@ -29,6 +29,7 @@ from absl import logging
 from flax import nnx
 
 from bov_jax import config as config_lib
+from bov_jax import extras
 from bov_jax import model as model_lib
 from bov_jax import spec as spec_lib
 
@@ -161,7 +162,7 @@ def _read_meta(path: str) -> dict:
 
 
 def _load_torch(path: str) -> dict:
-  import torch  # only this command needs torch
+  torch = extras.require("torch", "torch", f"reading {path} (a PyTorch checkpoint)")
   sd = torch.load(path, map_location="cpu", weights_only=True)
   return {k: v.detach().float().numpy() for k, v in sd.items()}
 
@@ -169,7 +170,7 @@ def _load_torch(path: str) -> dict:
 def convert_file(checkpoint: str, meta: str, workdir: str, model_type: str | None = None,
                  step: int | None = None, tokenizer: str | None = None) -> str:
   from bov_jax import checkpoint as ckpt_lib
-  from bov_jax import run as run_lib
+  from bov_jax import rundir
   from bov_jax import tokenizer as tok_lib
   info = _read_meta(meta)
   model_type = model_type or info["model_type"]
@@ -188,7 +189,7 @@ def convert_file(checkpoint: str, meta: str, workdir: str, model_type: str | Non
   if tokenizer:
     tok = tok_lib.checked(tok_lib.load(tokenizer), f"--tokenizer={tokenizer}",
                           info["dims"]["vocab_size"])
-    tok.save(f"{workdir.rstrip('/')}/{run_lib.TOKENIZER_DIR}")
+    tok.save(rundir.tokenizer(workdir))
   return ckpt_lib.save_params(workdir, config_for(model_type, **info["dims"]),
                               nnx.to_pure_dict(nnx.state(model)), step)
 
@@ -214,6 +215,9 @@ def main(argv) -> int:
       raise app.UsageError(f"--{name} is required")
   try:
     path = convert_file(f.checkpoint, f.meta, f.workdir, f.model_type, f.step, f.tokenizer)
+  except extras.MissingExtra as e:
+    print(f"error: {e}", file=sys.stderr)
+    return extras.EXIT
   except (ConversionError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -61,7 +61,7 @@ class Corpus:
   def n_groups(self) -> int:
     return len(self.starts) - 1
 
-  @functools.lru_cache(maxsize=8)
+  @functools.lru_cache(maxsize=8)  # noqa: B019 - a corpus lives as long as its run
   def read(self, g: int) -> list[str]:
     return self._read(int(g))
 

@@ -208,6 +208,7 @@ def val_rows(docs, tok, row_len: int, n_rows: int, buffer_size: int = 1000) -> n
 def main(argv) -> int:
   from absl import app
   from absl import flags
+
   from bov_jax import corpus
   f = flags.FLAGS
   if len(argv) != 2 or argv[1] != "download":

@@ -35,12 +35,12 @@ def tables_to_host(graphdef, params):
     raise config_lib.ConfigError(
         f"sample.tables_on_host=True is not supported on this backend "
         f"({jax.default_backend()}): its devices have no pinned_host memory")
-  devices = {d for x in jax.tree.leaves(params) for d in getattr(x, "sharding").device_set}
+  devices = {d for x in jax.tree.leaves(params) for d in x.sharding.device_set}
   if len(devices) > 1:
     raise config_lib.ConfigError(
         "sample.tables_on_host=True is supported for a model on a single device; this "
         f"one spans {len(devices)}")
-  spec = dataclasses.replace(nnx.merge(graphdef, params).spec, table_lookup="host")
+  spec = dataclasses.replace(nnx.merge(graphdef, params).spec, tables_on_host=True)
   params = dict(params)
   params["tables"] = {k: sharding.place_on_host(v) for k, v in params.get("tables", {}).items()}
   return nnx.graphdef(model_lib.abstract(spec)), params

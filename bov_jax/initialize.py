@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bov_jax.model import GPT, rmsnorm
+from bov_jax.model import GPT
+from bov_jax.model import rmsnorm
 
 
 def init_weights(model: GPT, key) -> None:

@@ -45,6 +45,7 @@ class LayerSettings:
   group: int               # query heads per kv head
   head_dim: int
   table_lookup: str
+  tables_on_host: bool
   decode_attention: str    # xla | fused (model.decode_attention, resolved for the target)
   decode_kernel: str       # tpu | gpu
   decode_interpret: bool
@@ -52,7 +53,7 @@ class LayerSettings:
 
 def layer_settings(spec, lv, window: int) -> LayerSettings:
   return LayerSettings(lv, window, spec.n_kv_head, spec.n_head // spec.n_kv_head,
-                       spec.head_dim, spec.table_lookup, spec.decode_attention,
+                       spec.head_dim, spec.table_lookup, spec.tables_on_host, spec.decode_attention,
                        spec.decode_kernel, spec.decode_interpret)
 
 
@@ -152,7 +153,7 @@ def _values(ls: LayerSettings, c: LayerCache, table, coeffs, rows, seqs):
     return values.combine(lv, None, rows(c.v1_entry["v"][0]), coeffs)
   ids = seqs(c.whole["ids"])
   B, S = ids.shape
-  vals = sharding.table_lookup(table, ids, ls.table_lookup)
+  vals = sharding.table_lookup(table, ids, ls.table_lookup, ls.tables_on_host)
   vals = vals.astype(c.entry["k"].dtype).reshape(B, S, ls.n_kv_head, ls.head_dim)
   # XLA writes the gathered rows straight into the layout attention reads (the
   # transpose folds into the gather).
@@ -179,7 +180,7 @@ def fused_bank(ls: LayerSettings, batch: int, context: int, table_shape) -> bool
   gather it fuses; `model.decode_attention`)."""
   if not ls.lv.is_bank:
     return False
-  return bank_decode.kernel_for(ls.decode_attention, context, ls.head_dim, ls.table_lookup,
+  return bank_decode.kernel_for(ls.decode_attention, context, ls.head_dim, ls.tables_on_host,
                                 batch, table_shape, platform=ls.decode_kernel) == "fused"
 
 
@@ -233,7 +234,8 @@ def bank_in_blocks(ls: LayerSettings, q_BTHE, k_NSE, ids_BS, table, coeffs, qpos
     m, l, acc = carry
     keys = jax.lax.dynamic_slice_in_dim(k_NSE, j * block, block, axis=1)
     ids = jax.lax.dynamic_slice_in_dim(ids_BS, j * block, block, axis=1)
-    rows = sharding.table_lookup(table, ids, ls.table_lookup).astype(k_NSE.dtype)
+    rows = sharding.table_lookup(table, ids, ls.table_lookup,
+                                ls.tables_on_host).astype(k_NSE.dtype)
     vals = values.combine(ls.lv, None, attention.kv_rows(rows.reshape(B, block, K, E)), coeffs)
     scores = jnp.einsum("nme,nse->nms", q_NME, keys,
                         preferred_element_type=jnp.float32) / np.sqrt(E)

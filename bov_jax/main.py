@@ -1,13 +1,12 @@
 """Entry point: `python -m bov_jax.main --config=FILE [--workdir=DIR] [--mode=MODE]`.
 
-Flags and mode dispatch only; each mode lives in its own module. A run directory is
-the source of truth: given one that holds a run, `--config` may be left out (the
-run's config.json is read, and `--config.*` overrides apply to it).
+Flags and mode dispatch only: training lives in train.py, the other modes in modes.py.
+A run directory is the source of truth: given one that holds a run, `--config` may be
+left out (the run's config.json is read, and `--config.*` overrides apply to it).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -46,7 +45,9 @@ def distributed_settings(environ=os.environ) -> dict | None:
   process. Flags win over JAX's environment variables; what neither gives is left to
   JAX's cluster detection (TPU pods, SLURM)."""
   def pick(flag, var, kind):
-    return flag.value if flag.value is not None else (kind(environ[var]) if var in environ else None)
+    if flag.value is not None:
+      return flag.value
+    return kind(environ[var]) if var in environ else None
   args = {"coordinator_address": pick(_COORDINATOR, "JAX_COORDINATOR_ADDRESS", str),
           "num_processes": pick(_NUM_PROCESSES, "JAX_NUM_PROCESSES", int),
           "process_id": pick(_PROCESS_ID, "JAX_PROCESS_ID", int)}
@@ -63,14 +64,11 @@ def start_distributed(args: dict) -> None:
   """jax.distributed.initialize, with CPU collectives (gloo) where the processes compute
   on the CPU: XLA's CPU backend has no cross-process collectives of its own."""
   import jax
+
   from bov_jax import hostmem
   if hostmem.cpu_only():
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(**args)
-
-
-def _print_json(obj) -> None:
-  print(json.dumps(obj), flush=True)
 
 
 def _override_keys(argv) -> list[str]:
@@ -81,10 +79,10 @@ def _override_keys(argv) -> list[str]:
 def config_for(mode: str, workdir: str | None, parsed, given: bool, argv):
   """The config a mode runs: --config's file with its overrides, or, without --config,
   the run directory's config.json with the command line's overrides applied to it."""
-  from bov_jax import checkpoint
+  from bov_jax import rundir
   if given:
     return parsed
-  saved = checkpoint.read_config(workdir) if workdir else None
+  saved = rundir.read_config(workdir) if workdir else None
   if saved is None:
     where = f"--workdir={workdir} holds no config.json" if workdir else "no --workdir was given"
     raise app.UsageError(f"--config=FILE is required ({where}); for example "
@@ -99,58 +97,34 @@ def config_for(mode: str, workdir: str | None, parsed, given: bool, argv):
   return saved
 
 
-def run(mode: str, cfg, workdir: str | None) -> int:
-  """Runs a mode; returns the exit code: 0 done, 2 bad input, 1 the run failed,
-  train.PREEMPTED_EXIT (75) stopped by a preemption, checkpointed: run it again."""
+def run_mode(mode: str, cfg, workdir: str | None) -> int:
+  """Runs a mode; returns the exit code: 0 done, 2 bad input, 1 the run failed (or, for
+  --mode=compile, a program does not fit), train.PREEMPTED_EXIT (75) stopped by a
+  preemption, checkpointed: run it again."""
   from bov_jax import checkpoint
-  from bov_jax import spec as spec_lib
+  from bov_jax import extras
+  from bov_jax import modes
   from bov_jax import train
   try:
     if mode == "compile":
-      return compile_for(cfg, _TOPOLOGY.value, _PROGRAMS.value)
+      return modes.compile_for(cfg, _TOPOLOGY.value, _PROGRAMS.value)
+    from bov_jax import spec as spec_lib
     spec = spec_lib.resolve(cfg)
     if mode == "plan":
-      from bov_jax import plan
-      _print_json(plan.make_plan(spec))
-      return 0
+      return modes.plan(spec)
     if mode != "train" and not workdir:
       raise ValueError(f"--mode={mode} needs --workdir=DIR holding a run's checkpoint")
-    if workdir:
-      checkpoint.path(workdir)  # a file is refused here, by name
-    from bov_jax import modes
-    from bov_jax import run as run_lib
-    run_lib.use_compile_cache(spec.train.compile_cache_dir)
+    from bov_jax import process
+    process.use_compile_cache(spec.train.compile_cache_dir)
     if mode == "train":
       return train.PREEMPTED_EXIT if train.train(spec, workdir).get("preempted") else 0
-    checkpoint.check_config(workdir, cfg)  # refuses what cannot restore
-    _print_json(modes.evaluate(spec, workdir) if mode == "eval" else modes.sample(spec, workdir))
-    return 0
+    return modes.evaluate_or_sample(mode, spec, cfg, workdir)
   except (ValueError, FileNotFoundError) as e:  # config, data, run-directory, bundle errors
     print(f"error: {e}", file=sys.stderr)
     return 2
-  except (train.TrainError, checkpoint.CorruptCheckpointError) as e:  # the run failed
-    print(f"error: {e}", file=sys.stderr)
+  except (train.TrainError, checkpoint.CorruptCheckpointError, extras.MissingExtra) as e:
+    print(f"error: {e}", file=sys.stderr)  # the run failed, or cannot run here
     return 1
-
-
-def compile_for(cfg, topology: str | None, programs) -> int:
-  """--mode=compile: the run's programs compiled for a TPU slice on this host; exit 0
-  when all fit, 1 when one does not, 2 on bad input."""
-  import jax
-  from bov_jax import aot
-  from bov_jax import spec as spec_lib
-  if not topology:
-    raise ValueError("--mode=compile needs --topology=NAME (a TPU slice such as v5p-64; known: "
-                     + ", ".join(aot.known_topologies()) + ")")
-  jax.config.update("jax_enable_compilation_cache", False)  # compile_s is a real compile
-  try:
-    report = aot.run(spec_lib.resolve(cfg, backend="tpu"), topology, programs)
-  except aot.TopologyError as e:
-    raise ValueError(str(e)) from None
-  if not report["fits"]:
-    print(f"error: {aot.overflow_message(report)}", file=sys.stderr)
-  _print_json(report)
-  return 0 if report["fits"] else 1
 
 
 def main(argv):
@@ -166,7 +140,7 @@ def main(argv):
   dist = distributed_settings() if _MODE.value not in ("plan", "compile") else None
   if dist is not None:
     start_distributed(dist)
-  sys.exit(run(_MODE.value, cfg, _WORKDIR.value))
+  sys.exit(run_mode(_MODE.value, cfg, _WORKDIR.value))
 
 
 if __name__ == "__main__":

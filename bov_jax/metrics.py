@@ -17,8 +17,8 @@ import time
 
 import jax
 
-from bov_jax import checkpoint as ckpt_lib
-from bov_jax import config as config_lib
+from bov_jax import extras
+from bov_jax import rundir
 from bov_jax import storage
 
 # record key -> TensorBoard / W&B tag
@@ -112,9 +112,9 @@ class Writer:
     self.jsonl = self.tb = self.wandb = None
     if not self.on:
       return
-    root = ckpt_lib.path(workdir)
+    root = rundir.path(workdir)
     root.mkdir(parents=True, exist_ok=True)
-    self.jsonl = root / "metrics.jsonl"
+    self.jsonl = rundir.metrics(workdir)
     _cut_after(self.jsonl, resume_step)
     if log_cfg.tensorboard:
       from tensorboardX import SummaryWriter
@@ -123,11 +123,7 @@ class Writer:
       self.tb = SummaryWriter(logdir=str(root), purge_step=resume_step + 1 if resume_step else None,
                               flush_secs=30, filename_suffix=f".step{resume_step}")
     if log_cfg.wandb_project:
-      try:
-        import wandb
-      except ImportError as e:
-        raise config_lib.ConfigError("log.wandb_project is set but wandb is not installed "
-                                     "(pip install wandb)") from e
+      wandb = extras.require("wandb", "wandb", "log.wandb_project")
       run_id = hashlib.sha1(str(root).encode()).hexdigest()[:16]  # one W&B run per workdir
       self.wandb = wandb.init(project=log_cfg.wandb_project, entity=log_cfg.wandb_entity or None,
                               name=os.path.basename(str(root).rstrip("/")), id=run_id,

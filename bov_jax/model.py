@@ -208,7 +208,8 @@ class GPT(nnx.Module):
     if lv.source == "v1":
       return v1_BTKE
     B, T = idx_BT.shape
-    rows = sharding.table_lookup(table, idx_BT, self.spec.table_lookup)
+    rows = sharding.table_lookup(table, idx_BT, self.spec.table_lookup,
+                                self.spec.tables_on_host)
     return rows.astype(self.compute_dtype).reshape(B, T, self.spec.n_kv_head, self.spec.head_dim)
 
   def hidden(self, idx_BT, cache=None):
@@ -310,7 +311,7 @@ class GPT(nnx.Module):
     h = self.hidden(idx_BT)
     B, T, D = h.shape
     nll = loss_lib.softcap_nll(h.reshape(B * T, D), self.lm_head[...], targets_BT.reshape(-1),
-                               self.spec.vocab_size, self.spec.loss_chunk)
+                               self.spec.vocab_size, *self._loss_chunks(B))
     return nll.reshape(B, T)
 
   def loss(self, idx_BT, targets_BT):
@@ -320,8 +321,13 @@ class GPT(nnx.Module):
     B, T, D = h.shape
     total = loss_lib.softcap_nll_sum(h.reshape(B * T, D), self.lm_head[...],
                                      targets_BT.reshape(-1), self.spec.vocab_size,
-                                     self.spec.loss_chunk)
+                                     *self._loss_chunks(B))
     return total / jnp.maximum(jnp.sum(targets_BT >= 0), 1)
+
+  def _loss_chunks(self, B: int) -> tuple[int, int]:
+    """(rows per cross-entropy chunk, sequences): model.loss_chunk rows on each device,
+    the same positions of all B sequences at once (kernels/loss.py)."""
+    return self.spec.loss_chunk * sharding.batch_shards(B), B
 
 
 class _Inputs(NamedTuple):

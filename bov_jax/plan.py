@@ -88,22 +88,25 @@ class _MeshSizes:
     self.shape = dict(zip(sharding.MESH_AXES, sizes))
 
 
+def _devices(spec: spec_lib.RunSpec) -> int:
+  """The devices the plan is for: the configured mesh, not this host's; -1 takes what
+  is here (at least 1), fixed sizes are taken as given."""
+  sizes = (spec.mesh.data, spec.mesh.fsdp, spec.mesh.tensor)
+  fixed = math.prod(s for s in sizes if s > 0)
+  return fixed * max(1, jax.device_count() // fixed) if -1 in sizes else fixed
+
+
 def memory_per_device(spec: spec_lib.RunSpec, num_iterations: int = 100) -> dict:
   """Parameter and optimizer-state bytes one device holds under the configured mesh,
   from the real sharding rules applied to abstract shapes (nothing is allocated)."""
-  sizes = (spec.mesh.data, spec.mesh.fsdp, spec.mesh.tensor)
-  fixed = math.prod(s for s in sizes if s > 0)
-  # The plan is for the configured mesh, not for this host's devices: -1 takes what
-  # is here (at least 1), fixed sizes are taken as given.
-  n_dev = fixed * max(1, jax.device_count() // fixed) if -1 in sizes else fixed
-  mesh = _MeshSizes(sharding.mesh_shape(spec.mesh, n_dev))
+  mesh = _MeshSizes(sharding.mesh_shape(spec.mesh, _devices(spec)))
   abstract = nnx.state(model_lib.abstract(spec.model))
   specs = sharding.param_specs(abstract, mesh)
   params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
                         nnx.to_pure_dict(abstract))
   hp = {k: 1e-3 for k in list(optim.ADAM_GROUPS) + ["muon", "muon_weight_decay"]}
-  opt = jax.eval_shape(optim.make(spec.optim, num_iterations, hp).init, params)
-  opt_specs = sharding.like_params(opt, specs, params)
+  opt, opt_specs = sharding.optimizer_specs(optim.make(spec.optim, num_iterations, hp),
+                                            params, specs)
   return {"mesh": dict(mesh.shape),
           "param_bytes_per_device": sharding.bytes_per_device(params, specs, mesh.shape),
           "optimizer_bytes_per_device": sharding.bytes_per_device(opt, opt_specs, mesh.shape)}
@@ -123,6 +126,9 @@ def param_dtypes(m: spec_lib.ModelSpec) -> dict:
 
 
 def make_plan(spec: spec_lib.RunSpec) -> dict:
+  from bov_jax import step  # the batch's layout is the train step's rule (step imports plan)
+  n_dev = _devices(spec)
+  step.batch_layout(spec, n_dev, n_dev)  # a batch the run could not lay out is refused here
   m = spec.model
   mode = m.value
   counts = param_counts(m)

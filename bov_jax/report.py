@@ -17,20 +17,30 @@ from absl import app
 from absl import flags
 from etils import epath
 
+from bov_jax import extras
+from bov_jax import rundir
+
+RESULTS = "results.md"  # the tables, beside the plots
+
+
+def _config(workdir: str):
+  cfg = rundir.read_config(workdir)
+  if cfg is None:
+    raise FileNotFoundError(f"{workdir} has no {rundir.CONFIG} (not a bov_jax run)")
+  return cfg
+
 
 def load_run(workdir: str) -> dict:
-  from bov_jax import checkpoint
   from bov_jax import plan
   from bov_jax import spec as spec_lib
-  cfg = checkpoint.read_config(workdir)
-  if cfg is None:
-    raise FileNotFoundError(f"{workdir} has no config.json (not a bov_jax run)")
+  cfg = _config(workdir)
   spec = spec_lib.resolve(cfg)
-  root = epath.Path(workdir)
-  if not (root / "metrics.jsonl").exists():
-    raise FileNotFoundError(f"{workdir} has no metrics.jsonl (has it trained?)")
-  metrics = [json.loads(l) for l in (root / "metrics.jsonl").read_text().splitlines() if l.strip()]
-  core = json.loads((root / "core.json").read_text()) if (root / "core.json").exists() else None
+  if not rundir.metrics(workdir).exists():
+    raise FileNotFoundError(f"{workdir} has no {rundir.METRICS} (has it trained?)")
+  metrics = [json.loads(line) for line in rundir.metrics(workdir).read_text().splitlines()
+             if line.strip()]
+  core_file = rundir.core(workdir)
+  core = json.loads(core_file.read_text()) if core_file.exists() else None
   return {"dir": workdir, "name": workdir.rstrip("/").rsplit("/", 1)[-1], "cfg": cfg,
           "mode": spec.model.value, "metrics": metrics, "core": core,
           "flops_per_token": plan.flops_per_token(spec.model),
@@ -40,17 +50,15 @@ def load_run(workdir: str) -> dict:
 def coefficients(workdir: str) -> dict:
   """{layer: {gamma|alpha|beta: value}} from the run's latest checkpoint."""
   from flax import nnx
+
   from bov_jax import checkpoint
   from bov_jax import model as model_lib
   from bov_jax import spec as spec_lib
-  cfg = checkpoint.read_config(workdir)
-  if cfg is None:
-    raise FileNotFoundError(f"{workdir} has no config.json (not a bov_jax run)")
-  abstract = model_lib.abstract(spec_lib.resolve(cfg).model)
+  abstract = model_lib.abstract(spec_lib.resolve(_config(workdir)).model)
   restored = checkpoint.Checkpoints(workdir, async_save=False).restore(
       nnx.to_pure_dict(nnx.state(abstract)))
   if restored is None:
-    raise FileNotFoundError(f"no checkpoint under {checkpoint.checkpoint_dir(workdir)}")
+    raise FileNotFoundError(f"no checkpoint under {rundir.checkpoints(workdir)}")
   step, params = restored.step, restored.params
   model = nnx.merge(nnx.graphdef(abstract), params)
   out = {}
@@ -85,7 +93,8 @@ def cache_saved_bytes(n_bank: int, kv_dim: int, vocab: int, contexts, bytes_per_
 def _save(fig, out: str, name: str) -> str:
   """A figure as PNG under `out` (a directory or a bucket prefix); its path."""
   import io
-  import matplotlib.pyplot as plt
+
+  plt = extras.require("matplotlib.pyplot", "report", "plotting")
   buf = io.BytesIO()
   fig.savefig(buf, format="png", dpi=120)
   plt.close(fig)
@@ -95,9 +104,8 @@ def _save(fig, out: str, name: str) -> str:
 
 
 def plots(runs, out: str) -> list[str]:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  extras.require("matplotlib", "report", "python -m bov_jax.report's plots").use("Agg")
+  plt = extras.require("matplotlib.pyplot", "report", "plotting")
   written = []
   # Figure 4: validation bpb against tokens and against FLOPs
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -123,9 +131,9 @@ def plots(runs, out: str) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 4))
     for r, c in coeff_runs:
       for name in ("gamma", "alpha", "beta"):
-        layers = [l for l in c["layers"] if name in c["layers"][l]]
+        layers = [layer for layer in c["layers"] if name in c["layers"][layer]]
         if layers:
-          ax.plot(layers, [c["layers"][l][name] for l in layers], marker="o",
+          ax.plot(layers, [c["layers"][layer][name] for layer in layers], marker="o",
                   label=f"{r['name']}: {name}")
     ax.axhline(0, color="k", lw=0.5)
     ax.set_xlabel("layer")
@@ -183,9 +191,13 @@ def main(argv) -> int:
     return 2
   out = epath.Path(flags.FLAGS.out)
   out.mkdir(parents=True, exist_ok=True)
-  written = plots(loaded, flags.FLAGS.out)
-  (out / "results.md").write_text(markdown_table(loaded))
-  written.append(str(out / "results.md"))
+  (out / RESULTS).write_text(markdown_table(loaded))  # the tables need no plotting library
+  written = [str(out / RESULTS)]
+  try:
+    written = plots(loaded, flags.FLAGS.out) + written
+  except extras.MissingExtra as e:
+    print(f"error: {e} ({RESULTS} is written: {out / RESULTS})", file=sys.stderr)
+    return extras.EXIT
   print(json.dumps({"written": written}))
   return 0
 

@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.compute_on import compute_on
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from bov_jax.config import ConfigError
 
@@ -134,8 +136,8 @@ def global_batch(local: np.ndarray, mesh, leading_dims: int = 1):
 #              (`auto`); a plain gather where the table is not split.
 #   gather     jnp.take under the compiler's sharding propagation.
 #   one_hot    one_hot(idx) @ E: a matmul, which all-gathers a split table.
-#   host       (inference only, sample.tables_on_host) the table in host memory,
-#              gathered there; only the rows move to the device.
+# Tables kept in host memory (`on_host`: inference only, sample.tables_on_host) are
+# gathered there whatever the setting; only the rows move to the device.
 
 
 # -- value tables in host memory (inference) -------------------------------------------
@@ -198,10 +200,16 @@ def batch_axes(mesh, batch: int) -> tuple:
   return axes if batch % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
 
-def table_lookup(table_VF, idx_BT, impl: str = "shard_map"):
+def batch_shards(batch: int) -> int:
+  """How many ways the current mesh splits a batch of this many rows (1 off a mesh)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty else math.prod(mesh.shape[a] for a in batch_axes(mesh, batch))
+
+
+def table_lookup(table_VF, idx_BT, impl: str = "shard_map", on_host: bool = False):
   """Rows of a (possibly split) table for token ids, [B, T, F]."""
   mesh = jax.sharding.get_abstract_mesh()
-  if impl == "host":
+  if on_host:
     return _host_take(table_VF, idx_BT)
   if impl == "one_hot":
     return jax.nn.one_hot(idx_BT, table_VF.shape[0], dtype=table_VF.dtype) @ table_VF
@@ -272,6 +280,13 @@ def like_params(tree, param_specs, param_shapes):
     return P()
 
   return jax.tree_util.tree_map_with_path(f, tree)
+
+
+def optimizer_specs(tx, params, param_specs):
+  """(the optimizer state's abstract tree, its PartitionSpecs): the state `tx.init`
+  makes for `params` (arrays or abstract), laid out like the parameters it copies."""
+  abstract = jax.eval_shape(tx.init, params)
+  return abstract, like_params(abstract, param_specs, params)
 
 
 def bytes_per_device(tree, specs, mesh_sizes: dict) -> int:

@@ -55,7 +55,7 @@ class ModelSpec:
   embedding_dtype: str       # the token embedding and the value tables
   attention: str             # xla | cudnn | blocks | splash
   decode_attention: str      # xla | fused | fused_if_compiles
-  table_lookup: str          # shard_map | gather | one_hot | host
+  table_lookup: str          # shard_map | gather | one_hot
   remat: str                 # a config.REMAT_POLICIES key
   loss_chunk: int
   scan: bool                 # repeated runs of layers scanned (`stages`), not unrolled
@@ -65,6 +65,9 @@ class ModelSpec:
   attention_block: int       # Splash attention's block rows (a divisor of the length is taken)
   matmul: str                # plain | cpu: kernels/matmul.py's CPU form of the backward
   sampler: str               # jax | cpu: kernels/sampling.py's hand-written CPU forms
+  # Where the value tables live: host memory for sampling with sample.tables_on_host
+  # (inference.tables_to_host sets it); rows are then gathered there.
+  tables_on_host: bool = False
 
   @property
   def splash_interpret(self) -> bool:

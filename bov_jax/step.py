@@ -99,11 +99,11 @@ def make_eval_step(graphdef):
 
 def abstract_params(spec: RunSpec, mesh):
   """(graphdef, parameters as ShapeDtypeStructs with their shardings, shardings)."""
-  abstract = nnx.state(model_lib.abstract(spec.model))
+  graphdef, abstract = nnx.split(model_lib.abstract(spec.model))
   shardings = sharding.named(mesh, sharding.param_specs(abstract, mesh))
   params = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
                         nnx.to_pure_dict(abstract), shardings)
-  return nnx.graphdef(model_lib.abstract(spec.model)), params, shardings
+  return graphdef, params, shardings
 
 
 def init_params(spec: RunSpec, mesh, key):
@@ -115,8 +115,9 @@ def init_params(spec: RunSpec, mesh, key):
 
 
 @dataclasses.dataclass
-class Trainer:
-  """A run's compiled steps and its initial state, built once (`build`)."""
+class TrainSetup:
+  """A run's jitted steps and its initial state (or its abstract shape, for a resume),
+  built once (`build`); the loop that runs them is train.py's."""
   graphdef: object
   tx: object
   params: object
@@ -128,7 +129,7 @@ class Trainer:
   eval_step: object   # jitted (params, inputs, targets, token_bytes)
 
 
-def build(spec: RunSpec, mesh, num_iterations: int, key=None, init: bool = True) -> Trainer:
+def build(spec: RunSpec, mesh, num_iterations: int, key=None, init: bool = True) -> TrainSetup:
   """Parameters and optimizer state on the mesh, and the jitted train and eval steps.
   With init=False (a resume: a checkpoint will replace them) the state is abstract,
   shapes and shardings only, so nothing is compiled, run or allocated twice."""
@@ -139,8 +140,7 @@ def build(spec: RunSpec, mesh, num_iterations: int, key=None, init: bool = True)
                             else abstract_params(spec, mesh))
   tx = optim.make(spec.optim, num_iterations, plan.hyperparams(spec))
   with jax.set_mesh(mesh):
-    abstract = jax.eval_shape(tx.init, params)
-    specs = sharding.like_params(abstract, sharding.param_specs_of(p_sh), params)
+    abstract, specs = sharding.optimizer_specs(tx, params, sharding.param_specs_of(p_sh))
     o_sh = sharding.named(mesh, specs)
     opt_state = (jax.jit(tx.init, out_shardings=o_sh)(params) if init else
                  jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -149,6 +149,6 @@ def build(spec: RunSpec, mesh, num_iterations: int, key=None, init: bool = True)
   train_step = jax.jit(make_train_step(graphdef, tx),
                        in_shardings=(p_sh, o_sh, batch_sh, batch_sh),
                        out_shardings=(p_sh, o_sh, None), donate_argnums=(0, 1))
-  return Trainer(graphdef=graphdef, tx=tx, params=params, opt_state=opt_state,
+  return TrainSetup(graphdef=graphdef, tx=tx, params=params, opt_state=opt_state,
                  param_shardings=p_sh, opt_shardings=o_sh, layout=layout,
                  train_step=train_step, eval_step=jax.jit(make_eval_step(graphdef)))

@@ -22,9 +22,12 @@ import os
 import shlex
 import subprocess
 import sys
+from typing import NamedTuple
 
 from absl import app
 from absl import flags
+
+from bov_jax import rundir
 
 BUDGET_KEYS = ("train.target_flops", "train.num_iterations")
 
@@ -86,30 +89,31 @@ def _flag(key, value) -> str:
   return f"--config.{key}={value}"
 
 
-def commands(sweep: dict, workdir_root: str, extra: list[str]) -> list[tuple[str, list[str]]]:
+class Point(NamedTuple):
+  name: str
+  workdir: str
+  argv: list[str]  # the command that trains it
+
+
+def commands(sweep: dict, workdir_root: str, extra: list[str]) -> list[Point]:
   out = []
   for p in sweep["points"]:
-    argv = ["python", "-m", "bov_jax.main", f"--config={sweep['base']}",
-            f"--workdir={workdir_root.rstrip('/')}/{p['name']}"]
+    workdir = f"{workdir_root.rstrip('/')}/{p['name']}"
+    argv = ["python", "-m", "bov_jax.main", f"--config={sweep['base']}", f"--workdir={workdir}"]
     argv += [_flag(k, v) for k, v in p["overrides"].items()] + list(extra)
-    out.append((p["name"], argv))
+    out.append(Point(p["name"], workdir, argv))
   return out
 
 
-def finished(workdir: str) -> bool:
-  """A run is finished when the train loop wrote WORKDIR/DONE (after its last step)."""
-  from etils import epath
-  return (epath.Path(workdir) / "DONE").exists()
-
-
 def run_logged(argv: list[str], workdir: str, every_s: float = 30.0) -> int:
-  """Runs a point, echoing its output and adding it to WORKDIR/log.HOST.txt every
+  """Runs a point, echoing its output and adding it to the point's log (per host) every
   `every_s` seconds and at the end (a bucket workdir too), so a detached sweep's logs stay
   with its runs. Returns the exit code."""
   import socket
   import time
+
   from bov_jax import storage
-  log = f"{workdir.rstrip('/')}/log.{socket.gethostname()}.txt"
+  log = rundir.sweep_log(workdir, socket.gethostname())
   if not storage.is_remote(log):
     os.makedirs(workdir, exist_ok=True)
   proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -150,20 +154,19 @@ def main(argv) -> int:
     return 2
   cmds = commands(sweep, f.workdir_root, extra)
   if f.print:
-    for _, argv in cmds:
-      print(shlex.join(argv))
+    for point in cmds:
+      print(shlex.join(point.argv))
     return 0
-  for name, argv in cmds:
-    workdir = argv[4].split("=", 1)[1]
-    if finished(workdir):
-      print(f"[sweep] {name}: finished, skipping", flush=True)
+  for point in cmds:
+    if rundir.is_done(point.workdir):  # the train loop marks a run done after its last step
+      print(f"[sweep] {point.name}: finished, skipping", flush=True)
       continue
-    print(f"[sweep] {name}: {shlex.join(argv)}", flush=True)
-    rc = run_logged([sys.executable] + argv[1:], workdir)
+    print(f"[sweep] {point.name}: {shlex.join(point.argv)}", flush=True)
+    rc = run_logged([sys.executable] + point.argv[1:], point.workdir)
     if rc != 0:
-      print(f"[sweep] {name} failed with exit code {rc}", file=sys.stderr)
+      print(f"[sweep] {point.name} failed with exit code {rc}", file=sys.stderr)
       return rc
-  print(json.dumps({"sweep": f.sweep, "points": [n for n, _ in cmds]}))
+  print(json.dumps({"sweep": f.sweep, "points": [p.name for p in cmds]}))
   return 0
 
 

@@ -70,7 +70,7 @@ class Tokenizer:
   def decode(self, ids) -> str:
     return self.enc.decode([int(i) for i in ids])
 
-  @functools.cache
+  @functools.cache  # noqa: B019 - a tokenizer lives as long as its run
   def token_bytes(self) -> np.ndarray:
     """UTF-8 byte length of each decoded token; 0 for special tokens (as the reference
     computes it for bits per byte: decode to text, then encode)."""
@@ -119,7 +119,8 @@ def train(texts: Iterable[str], vocab_size: int) -> Tokenizer:
   n_merges = vocab_size - len(RESERVED_TOKENS)
   if n_merges < 256:
     raise TokenizerError(f"model.vocab_size={vocab_size} must be at least "
-                         f"{256 + len(RESERVED_TOKENS)} (256 bytes + {len(RESERVED_TOKENS)} specials)")
+                         f"{256 + len(RESERVED_TOKENS)} (256 bytes + {len(RESERVED_TOKENS)} "
+                         "specials)")
   bpe = rustbpe.Tokenizer()
   bpe.train_from_iterator(iter(texts), n_merges, pattern=SPLIT_PATTERN)
   ranks = {bytes(k): v for k, v in bpe.get_mergeable_ranks()}

@@ -14,8 +14,8 @@ import math
 import time
 
 import jax
-from jax.experimental import multihost_utils
 import numpy as np
+from jax.experimental import multihost_utils
 
 from bov_jax import aot
 from bov_jax import bpb
@@ -26,10 +26,11 @@ from bov_jax import metrics
 from bov_jax import optim
 from bov_jax import plan
 from bov_jax import preemption as preemption_lib
-from bov_jax import run as run_lib
+from bov_jax import process
+from bov_jax import rundir
 from bov_jax import sharding
 from bov_jax import step as step_lib
-from bov_jax.run import log
+from bov_jax.process import log
 
 # Exit code of a run stopped by a preemption after its checkpoint: the same command
 # resumes it (sysexits' EX_TEMPFAIL, "try again"; 0 is done, 1 failed, 2 bad input).
@@ -49,22 +50,41 @@ class _Pending:
   stop: object  # the agreed preemption flag of this step (preemption.py)
 
 
+class Schedule:
+  """The loop's periodic work: named actions, run in the order added after every step
+  (levanter's `Trainer.add_hook(fn, every=)`). An action is due after step s when s is a
+  multiple of its `every` (0: never by count), after the last step unless `at_end` is
+  off, and whenever its `also(s)` says so."""
+
+  def __init__(self, last_step: int):
+    self.last_step = last_step
+    self.actions: dict[str, tuple] = {}
+
+  def add(self, name, fn, every=0, at_end=True, also=None) -> None:
+    self.actions[name] = (fn, every, at_end, also or (lambda step: False))
+
+  def is_due(self, name: str, step: int) -> bool:
+    if name not in self.actions:
+      return False
+    _, every, at_end, also = self.actions[name]
+    return ((every > 0 and step % every == 0) or (at_end and step == self.last_step)
+            or also(step))
+
+  def run(self, step: int) -> None:
+    for name, (fn, *_) in self.actions.items():
+      if self.is_due(name, step):  # decided as it comes: an earlier action may stop the run
+        fn(step)
+
+
 def train(spec, workdir: str | None) -> dict:
   """Trains per the spec; resumes from WORKDIR's latest checkpoint. Returns the last record."""
   mesh = sharding.make_mesh(spec.mesh)
-  train_split, val_split = run_lib.documents(spec)  # a missing corpus is named before
-  if workdir:                                       # anything is written
-    delta = ckpt_lib.check_config(workdir, spec.config())  # every process checks
-    if jax.process_count() > 1:  # all have read config.json before process 0 rewrites it
-      multihost_utils.sync_global_devices("bov_jax: config checked")
-    if run_lib.is_main():
-      ckpt_lib.record_config(workdir, spec.config(), delta, log=log)
-    done = ckpt_lib.path(workdir) / "DONE"
-    if run_lib.is_main() and done.exists():
-      done.unlink()  # training goes on (more steps asked for): not finished until it ends
-  tok = run_lib.tokenizer(spec, workdir, train_split)
-  fpt = plan.flops_per_token(spec.model)
-  n = plan.num_iterations(spec, fpt)
+  step_lib.batch_layout(spec, mesh.size)  # the whole config is checked, and the corpus
+  splits = process.documents(spec)        # found, before anything is written
+  if workdir:
+    _open_rundir(spec, workdir)
+  tok = process.tokenizer(spec, workdir, splits[0])
+  n = plan.num_iterations(spec, plan.flops_per_token(spec.model))
   ckpts = ckpt_lib.Checkpoints(workdir, keep=spec.train.keep_checkpoints) if workdir else None
   # With checkpoints there, the run restores one (or fails, naming them): the state
   # to restore into is abstract, never initialised. Process 0's answer holds for all:
@@ -72,31 +92,119 @@ def train(spec, workdir: str | None) -> dict:
   resuming = ckpts is not None and bool(ckpts.all_steps())
   if jax.process_count() > 1:
     resuming = bool(multihost_utils.broadcast_one_to_all(np.int32(resuming)))
-  trainer = step_lib.build(spec, mesh, n, init=not resuming)
+  setup = step_lib.build(spec, mesh, n, init=not resuming)
   with jax.set_mesh(mesh):
-    return _Loop(spec, workdir, mesh, trainer, tok, train_split, val_split, n, fpt, ckpts).run()
+    return _Loop(spec, workdir, mesh, setup, tok, splits, n, ckpts).run()
+
+
+def _open_rundir(spec, workdir: str) -> None:
+  """Checks the run directory's config of record against this run's (every process) and
+  records it (process 0); a finished run asked for more steps is not finished any more."""
+  delta = rundir.check_config(workdir, spec.config())
+  if jax.process_count() > 1:  # all have read config.json before process 0 rewrites it
+    multihost_utils.sync_global_devices("bov_jax: config checked")
+  if process.is_main():
+    rundir.record_config(workdir, spec.config(), delta, log=log)
+    rundir.clear_done(workdir)
+
+
+def _resume_seed(seed: int, step: int) -> int:
+  """The data seed of a resume that cannot restore the iterator (saved by another number
+  of processes): the step mixed in, so the new order does not replay the batches the
+  run began with."""
+  return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
 
 
 class _Loop:
+  """One run's training loop. All of its state is set up here, before the first step."""
 
-  def __init__(self, spec, workdir, mesh, trainer, tok, train_split, val_split, n, fpt, ckpts):
-    self.spec, self.workdir, self.mesh, self.trainer, self.tok = spec, workdir, mesh, trainer, tok
-    self.n, self.fpt = n, fpt
-    t = spec.train
-    self.layout = trainer.layout
-    self.train_split = train_split
-    self.it = self._batches(t.seed)
-    self.evaluator = bpb.Evaluator(spec, mesh, trainer.eval_step, val_split, tok,
+  def __init__(self, spec, workdir, mesh, setup, tok, splits, n, ckpts):
+    self.spec, self.workdir, self.mesh, self.tok = spec, workdir, mesh, tok
+    self.setup, self.n, self.ckpts, self.layout = setup, n, ckpts, setup.layout
+    self.train_split = splits[0]
+    self.evaluator = bpb.Evaluator(spec, mesh, setup.eval_step, splits[1], tok,
                                    self.layout.local_rows)
-    self.ckpts = ckpts
-    self.params, self.opt_state = trainer.params, trainer.opt_state
-    self.tput = metrics.Throughput(t.batch_tokens, fpt, metrics.peak_flops() * jax.device_count())
+    self.t_start = time.time()
+    self.params, self.opt_state = setup.params, setup.opt_state
+    self.it = self._batches(spec.train.seed)
+    self.step = self._restore()  # the last step done: 0 for a new run
+    self.first = self.step + 1   # its first step here compiles
+    self.writer = metrics.Writer(workdir, self.step, spec.log, json.loads(spec.config_json))
+    peak = metrics.peak_flops() * jax.device_count()
+    self.tput = metrics.Throughput(spec.train.batch_tokens,
+                                   plan.flops_per_token(spec.model), peak)
+    self.preemption = preemption_lib.Preemption(mesh)
+    self.stop_agreed = False  # a preemption flag read (agreed by every process)
+    self.stopping = False     # stop after this step: decided once per step, before its actions
+    self.pending = None    # the dispatched step whose outputs are read one step late
+    self.record = {}       # the latest step's record (returned, and written to DONE)
+    self.batch = None      # the next step's batch and the seconds spent loading it
+    self.t_compile = 0.0   # when the first step's compilation began
+    self.train_step = None  # compiled before the first step (_compile)
+    self.schedule = self._schedule()
+
+  def _schedule(self) -> Schedule:
+    """What runs after each step, in this order."""
+    t, e, s = self.spec.train, self.spec.eval, Schedule(self.n)
+    s.add("preemption", self._check_preemption, every=1)  # no setting: after every step
+    s.add("prefetch", self._prefetch, at_end=False, also=self._prefetch_due)
+    s.add("evaluate", self._evaluate, every=t.eval_every)
+    if e.core_bundle and e.core_every > 0:
+      s.add("core", self._core, every=e.core_every)
+    s.add("log", self._log, every=t.log_every, also=self._log_due)
+    if self.ckpts is not None:
+      s.add("checkpoint", self._save, every=t.checkpoint_every, also=lambda _: self.stopping)
+    s.add("sample", self._sample)  # no setting: after the last step
+    return s
+
+  def run(self) -> dict:
+    log(f"bov_jax: {self.spec.model.describe()} | {self.n} steps x "
+        f"{self.spec.train.batch_tokens:,} tokens (accum {self.layout.accum}) | "
+        f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
+    if self.step == 0:
+      self.record = {"step": 0, "val_bpb": self.evaluator(self.params), "tokens": 0}
+      self.writer.write(self.record)
+      log(f"step 0 | val_bpb {self.record['val_bpb']:.4f}")
+    self.t_compile = time.perf_counter()
+    self.batch = self._load()
+    self.train_step = self._compile(self.batch[0])
+    while self.step < self.n:
+      self._dispatch()
+      self.schedule.run(self.step)
+      if self.stopping:
+        return self._stop()
+    return self._end()
+
+  # -- set-up ----------------------------------------------------------------------------
 
   def _batches(self, seed: int):
     windows = data_lib.TrainWindows(self.train_split, self.tok, seed, jax.process_index(),
                                     jax.process_count())
     return data_lib.train_batches(windows, self.spec.model.sequence_len + 1,
                                   self.layout.local_rows)
+
+  def _restore(self) -> int:
+    """The newest checkpoint's step, its state and data order taken; 0 with none."""
+    if self.ckpts is None:
+      return 0
+    restored = self.ckpts.restore(self.params, self.opt_state, self.it, log=log)
+    if restored is None:
+      return 0
+    self.params, self.opt_state = restored.params, restored.opt_state
+    if not restored.data_restored:
+      self.it = self._batches(_resume_seed(self.spec.train.seed, restored.step))
+    log(f"resumed from {rundir.checkpoints(self.workdir)}/{restored.step}")
+    return restored.step
+
+  def _compile(self, batch):
+    """The train step compiled before its first call, with the bytes it takes per
+    device logged (what --mode=compile reports for a slice)."""
+    compiled = self.setup.train_step.lower(self.params, self.opt_state, *batch).compile()
+    stats = jax.local_devices()[0].memory_stats() or {}
+    log(aot.memory_line("train_step", aot.memory(compiled), stats.get("bytes_limit")))
+    return compiled
+
+  # -- a step, read one step late -------------------------------------------------------
 
   def _load(self):
     """The next step's global batch [accum, rows, T] (inputs, targets), and the seconds
@@ -107,132 +215,134 @@ class _Loop:
     y = sharding.global_batch(local[:, :, 1:], self.mesh, leading_dims=2)
     return (x, y), time.perf_counter() - t0
 
-  def _record(self, p: _Pending) -> dict:
-    """Reads a step's loss (the device has finished it, or is about to) and checks it."""
+  def _dispatch(self) -> None:
+    """Runs the next step on the loaded batch, then reads the step before it: the
+    device starts this one before the host waits for that one."""
+    (x, y), wait = self.batch
+    self.params, self.opt_state, out = self.train_step(self.params, self.opt_state, x, y)
+    flag = self.preemption.dispatch()
+    self.step += 1
+    previous, self.pending = self.pending, _Pending(self.step, out, wait, flag)
+    if previous is not None:
+      self._read(previous)
+
+  def _current(self) -> dict:
+    """This step's record, its outputs read now (the device has finished it, or is
+    about to)."""
+    if self.pending is not None:
+      self._read(self.pending)
+      self.pending = None
+    return self.record
+
+  def _read(self, p: _Pending) -> None:
+    """A step's loss (checked), its stop flag, and its time for the throughput window."""
     loss = float(p.out["train_loss"])
     if not math.isfinite(loss):
       good = self.ckpts.latest_step() if self.ckpts else None
-      where = (f"{ckpt_lib.checkpoint_dir(self.workdir)}/{good}" if good is not None
+      where = (f"{rundir.checkpoints(self.workdir)}/{good}" if good is not None
                else "none (no checkpoint was written)")
       raise TrainError(f"train_loss is {loss} at step {p.step}; stopping. "
                        f"Last good checkpoint: {where}")
+    self.stop_agreed = self.stop_agreed or bool(p.stop)
     o = self.spec.optim
-    return {"step": p.step, "train_loss": loss,
-            "lr": float(optim.lr_multiplier(p.step - 1, self.n, o.warmup_steps,
-                                            o.warmdown_ratio, o.final_lr_frac)),
-            "tokens": p.step * self.spec.train.batch_tokens}
-
-  def run(self) -> dict:
-    spec, t = self.spec, self.spec.train
-    t_start = time.time()
-    step = 0
-    if self.ckpts is not None:
-      restored = self.ckpts.restore(self.params, self.opt_state, self.it, log=log)
-      if restored is not None:
-        step, self.params, self.opt_state = restored.step, restored.params, restored.opt_state
-        if not restored.data_restored:  # saved by another number of processes: a new order
-          self.it = self._batches(seed=self.spec.train.seed + 1_000_003 * step)
-        log(f"resumed from {ckpt_lib.checkpoint_dir(self.workdir)}/{step}")
-    self.writer = metrics.Writer(self.workdir, step, spec.log, json.loads(spec.config_json))
-    log(f"bov_jax: {spec.model.describe()} | {self.n} steps x {t.batch_tokens:,} tokens "
-        f"(accum {self.layout.accum}) | {jax.device_count()} "
-        f"{jax.devices()[0].platform} device(s)")
-    self.last = {}
-    if step == 0:
-      self.last = {"step": 0, "val_bpb": self.evaluator(self.params), "tokens": 0}
-      self.writer.write(self.last)
-      log(f"step 0 | val_bpb {self.last['val_bpb']:.4f}")
-    preemption = preemption_lib.Preemption(self.mesh)
-    self.stop = False  # agreed: stop after the next step boundary (set by _finish)
-    self.first, self.t_compile = step + 1, time.perf_counter()
-    batch, wait = self._load()
-    train_step = self._compile(batch)
-    pending = None
-    while step < self.n:
-      self.params, self.opt_state, out = train_step(self.params, self.opt_state, *batch)
-      flag = preemption.dispatch()
-      step += 1
-      if pending is not None:  # the previous step: done, or finishing as this one starts
-        self._finish(pending)
-      pending = _Pending(step, out, wait, flag)
-      stop = self.stop or preemption.maintenance(step)
-      save = self.ckpts is not None and (step % t.checkpoint_every == 0 or step == self.n
-                                         or stop)
-      if step < self.n and not save:
-        batch, wait = self._load()  # while the device runs this step
-      evaluate = step % t.eval_every == 0 or step == self.n
-      core = bool(spec.eval.core_bundle) and spec.eval.core_every > 0 and (
-          step % spec.eval.core_every == 0 or step == self.n)
-      if (save or evaluate or core or stop or step == self.first
-          or step % t.log_every == 0):
-        self._finish(pending, log_it=True, evaluate=evaluate, core=core)
-        pending = None
-      if save:
-        self.ckpts.save(step, self.params, self.opt_state, self.it,
-                        {"step": step, "train_loss": self.last.get("train_loss")},
-                        force=stop or step == self.n)
-        if step < self.n and not stop:
-          batch, wait = self._load()
-      if stop:
-        self.ckpts and self.ckpts.close()
-        self.writer.close()
-        log(f"preempted: checkpointed step {step}; exiting with code {PREEMPTED_EXIT} "
-            "(run the same command to resume)")
-        return dict(self.last, preempted=True)
-    if self.ckpts is not None:
-      self.ckpts.close()
-    self.writer.close()
-    self._sample()
-    if self.workdir and run_lib.is_main():
-      (ckpt_lib.path(self.workdir) / "DONE").write_text(json.dumps(self.last))  # sweeps skip it
-    log(f"done in {metrics.fmt_time(time.time() - t_start)}")
-    return self.last
-
-  def _compile(self, batch):
-    """The train step compiled before its first call, with the bytes it takes per
-    device logged (what --mode=compile reports for a slice)."""
-    compiled = self.trainer.train_step.lower(self.params, self.opt_state, *batch).compile()
-    stats = jax.local_devices()[0].memory_stats() or {}
-    log(aot.memory_line("train_step", aot.memory(compiled), stats.get("bytes_limit")))
-    return compiled
-
-  def _finish(self, p: _Pending, log_it=False, evaluate=False, core=False) -> None:
-    """Reads a dispatched step's outputs; with log_it, evaluates as asked and writes the
-    record (tokens/s and MFU over the steps since the last one written)."""
-    record = self._record(p)
-    self.stop = self.stop or bool(p.stop)
+    self.record = {"step": p.step, "train_loss": loss,
+                   "lr": float(optim.lr_multiplier(p.step - 1, self.n, o.warmup_steps,
+                                                   o.warmdown_ratio, o.final_lr_frac)),
+                   "tokens": p.step * self.spec.train.batch_tokens}
     if p.step == self.first:
-      record["compile_s"] = time.perf_counter() - self.t_compile  # compile + one step
+      self.record["compile_s"] = time.perf_counter() - self.t_compile  # compile + one step
       self.tput.begin()
     else:
       self.tput.step_done(p.data_wait_s)
-    if log_it:
-      t0 = time.perf_counter()
-      if evaluate:
-        record["val_bpb"] = self.evaluator(self.params)
-      if core:
-        from bov_jax import modes
-        record["core"] = modes.run_core(self.spec, self.trainer.graphdef, self.params,
-                                        self.tok)["core"]
-      if evaluate or core:
-        record["eval_s"] = time.perf_counter() - t0
-        self.tput.exclude(record["eval_s"])
-      record.update(self.tput.read())
-      self.writer.write(record)
-      log(metrics.progress_line(record, self.n, self.spec.train.batch_tokens))
-    self.last = record
 
-  def _sample(self):
+  # -- the actions ----------------------------------------------------------------------
+
+  def _check_preemption(self, step: int) -> None:
+    """Whether to stop after this step: a flag read so far, or a maintenance event. Later
+    reads (a record's) count from the next step, so every action of a step sees one answer."""
+    self.stopping = self.stop_agreed or self.preemption.maintenance(step)
+
+  def _prefetch_due(self, step: int) -> bool:
+    """The next batch loads while the device runs this step, except before a checkpoint:
+    the data-iterator state it saves must be the one right after this step."""
+    return step < self.n and not self.schedule.is_due("checkpoint", step)
+
+  def _prefetch(self, step: int) -> None:
+    del step
+    self.batch = self._load()
+
+  def _evaluate(self, step: int) -> None:
+    del step
+    t0 = time.perf_counter()
+    self._current()["val_bpb"] = self.evaluator(self.params)
+    self._took(time.perf_counter() - t0)
+
+  def _core(self, step: int) -> None:
+    del step
+    from bov_jax import modes
+    t0 = time.perf_counter()
+    self._current()["core"] = modes.run_core(self.spec, self.setup.graphdef, self.params,
+                                             self.tok)["core"]
+    self._took(time.perf_counter() - t0)
+
+  def _took(self, seconds: float) -> None:
+    """Evaluation time: in the record, and out of the throughput window."""
+    self.record["eval_s"] = self.record.get("eval_s", 0.0) + seconds
+    self.tput.exclude(seconds)
+
+  def _log_due(self, step: int) -> bool:
+    """A record is also written after the first step, and with everything that
+    evaluates, saves or stops."""
+    return step == self.first or self.stopping or any(
+        self.schedule.is_due(name, step) for name in ("evaluate", "core", "checkpoint"))
+
+  def _log(self, step: int) -> None:
+    del step
+    record = self._current()
+    record.update(self.tput.read())
+    self.writer.write(record)
+    log(metrics.progress_line(record, self.n, self.spec.train.batch_tokens))
+
+  def _save(self, step: int) -> None:
+    """A checkpoint of this step, then the next batch (whose loading it waited for)."""
+    last = step == self.n or self.stopping
+    self.ckpts.save(step, self.params, self.opt_state, self.it,
+                    {"step": step, "train_loss": self.record.get("train_loss")}, force=last)
+    if not last:
+      self.batch = self._load()
+
+  def _sample(self, step: int) -> None:
     """A greedy continuation of sample.prompt (every process runs the jitted steps;
     process 0 prints)."""
     n = self.spec.train.sample_tokens
-    if n <= 0:
+    del step
+    if n <= 0 or self.stopping:
       return
     prompt = self.tok.encode(self.spec.sample.prompt)
     if len(prompt) >= self.spec.model.sequence_len:
       log(f"sample: skipped, sample.prompt is {len(prompt)} tokens, the context is "
           f"{self.spec.model.sequence_len}")
       return
-    ids = inference.generate_uncached(self.trainer.graphdef, self.params, prompt, n,
+    ids = inference.generate_uncached(self.setup.graphdef, self.params, prompt, n,
                                       self.spec.model.sequence_len, temperature=0.0)
     log("sample: " + repr(self.tok.decode(prompt[1:] + ids)))
+
+  # -- the end --------------------------------------------------------------------------
+
+  def _close(self) -> None:
+    if self.ckpts is not None:
+      self.ckpts.close()  # waits for the last save to be on disk
+    self.writer.close()
+
+  def _stop(self) -> dict:
+    self._close()
+    log(f"preempted: checkpointed step {self.step}; exiting with code {PREEMPTED_EXIT} "
+        "(run the same command to resume)")
+    return dict(self.record, preempted=True)
+
+  def _end(self) -> dict:
+    self._close()
+    if self.workdir and process.is_main():
+      rundir.mark_done(self.workdir, self.record)  # sweeps and launch/tpu.sh skip it
+    log(f"done in {metrics.fmt_time(time.time() - self.t_start)}")
+    return self.record

@@ -83,12 +83,15 @@ PRESETS = {
     "gpt_base_v_from_value_emb_learn_shared": _p("table", "replace", "learned", shared_table=True),
     "gpt_base_v_from_value_emb_learn_every_layer": _p("table", "replace", "learned", "all"),
     "gpt_base_v_from_value_emb_learn_every2": _p("table", "replace", "learned", "every_other"),
-    "gpt_base_v_from_value_emb_learn_second_half": _p("table", "replace", "learned", "second_half"),
-    "gpt_base_v_from_value_emb_learn_last_two_thirds": _p("table", "replace", "learned", "last_two_thirds"),
+    "gpt_base_v_from_value_emb_learn_second_half":
+        _p("table", "replace", "learned", "second_half"),
+    "gpt_base_v_from_value_emb_learn_last_two_thirds":
+        _p("table", "replace", "learned", "last_two_thirds"),
     "gpt_base_add_init_value_emb": _p("table", "add", "fixed"),
     "gpt_base_add_init_value_emb_learn": _p("table", "add", "learned"),
     "gpt_base_add_init_value_emb_nanogpt": _p("table", "gated_add", "learned"),
-    "gpt_base_add_init_value_emb_nanogpt_every2": _p("table", "gated_add", "learned", "every_other"),
+    "gpt_base_add_init_value_emb_nanogpt_every2":
+        _p("table", "gated_add", "learned", "every_other"),
 }
 BOV_PRESET = "gpt_base_v_from_value_emb_learn"
 

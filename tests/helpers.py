@@ -11,7 +11,6 @@ from bov_jax import config as config_lib
 from bov_jax import model as model_lib
 from bov_jax import spec as spec_lib
 
-
 # The shapes of the runs the tests start (python -m bov_jax.main, sweep, the benchmarks),
 # all one tiny model and batch, so the session's compilation cache (conftest) compiles
 # their init, step, eval and sampling once. Two layers: the second is a bank layer.

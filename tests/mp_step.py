@@ -15,6 +15,7 @@ def main(n: int, pid: int, port: int) -> None:
     jax.distributed.initialize(f"localhost:{port}", num_processes=n, process_id=pid)
   import jax.numpy as jnp
   import numpy as np
+
   from bov_jax import corpus
   from bov_jax import data
   from bov_jax import sharding

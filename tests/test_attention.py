@@ -4,11 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from bov_jax import config as config_lib
 from bov_jax.kernels import attention
-from tests.helpers import init_model, run_spec, small_config
+from tests.helpers import init_model
+from tests.helpers import run_spec
+from tests.helpers import small_config
 
 
 def _qkv(B=1, T=256, H=4, K=2, E=128, seed=0):

@@ -18,7 +18,9 @@ from bov_jax import step as step_lib
 from bov_jax.kernels import attention
 from bov_jax.kernels import bank_decode
 from bov_jax.kernels import bank_decode_tpu
-from tests.helpers import random_model, run_spec, small_config
+from tests.helpers import random_model
+from tests.helpers import run_spec
+from tests.helpers import small_config
 
 
 @dataclasses.dataclass
@@ -145,9 +147,9 @@ def test_a_table_split_over_its_width_takes_xla():
   with jax.set_mesh(_mesh((1, 8, 1))):
     for batch in (8, 1):
       assert bank_decode.mesh_split(batch, (256, 256)) is None
-      assert bank_decode.kernel_for("fused", 256, 128, "shard_map", batch, (256, 256)) == "xla"
+      assert bank_decode.kernel_for("fused", 256, 128, False, batch, (256, 256)) == "xla"
   with jax.set_mesh(_mesh((8, 1, 1))):  # data parallel: tables whole on every device
-    assert bank_decode.kernel_for("fused", 256, 128, "shard_map", 8, (256, 256)) == "fused"
+    assert bank_decode.kernel_for("fused", 256, 128, False, 8, (256, 256)) == "fused"
 
 
 def test_auto_takes_the_tpu_kernel_only_where_it_compiles(monkeypatch, caplog):
@@ -175,7 +177,7 @@ def test_auto_takes_the_tpu_kernel_only_where_it_compiles(monkeypatch, caplog):
   assert bank_decode.resolve(dataclasses.replace(spec, decode_attention="xla")) \
       .decode_attention == "xla"
   with pytest.raises(ValueError, match="before tracing"):
-    bank_decode.kernel_for("fused_if_compiles", 256, 128, "shard_map")
+    bank_decode.kernel_for("fused_if_compiles", 256, 128, False)
   bank_decode.compiles.cache_clear()
 
 
@@ -294,10 +296,10 @@ def test_generation_on_a_mesh_with_the_kernel_equals_xla():
 
 def test_kernel_choice_and_config():
   assert run_spec(small_config(decode_attention="auto"), backend="cpu").model.decode_attention == "xla"
-  assert bank_decode.kernel_for("xla", 256, 128, "shard_map") == "xla"  # the gather path
-  assert bank_decode.kernel_for("fused", 256, 128, "shard_map") == "fused"
-  assert bank_decode.kernel_for("fused", 200, 128, "shard_map") == "xla"  # not whole blocks
-  assert bank_decode.kernel_for("fused", 256, 128, "host") == "xla"  # tables in host memory
+  assert bank_decode.kernel_for("xla", 256, 128, False) == "xla"  # the gather path
+  assert bank_decode.kernel_for("fused", 256, 128, False) == "fused"
+  assert bank_decode.kernel_for("fused", 200, 128, False) == "xla"  # not whole blocks
+  assert bank_decode.kernel_for("fused", 256, 128, True) == "xla"  # tables in host memory
   assert bank_decode.fits(1024, 128) and not bank_decode.fits(1024, 64)
   assert bank_decode.fits(1024, 64, "gpu") and not bank_decode.fits(1024, 96, "gpu")
   assert not bank_decode.fits(1000, 64, "gpu")

@@ -17,7 +17,7 @@ def _bench(*args):
   out = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *rest], capture_output=True,
                        text=True, cwd=ROOT, env=env, timeout=600)
   assert out.returncode == 0, out.stderr[-2000:]
-  return [json.loads(l) for l in out.stdout.strip().splitlines() if l.startswith("{")]
+  return [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("{")]
 
 
 def test_bench_decode_lines_and_memory_formula():
@@ -64,6 +64,7 @@ def _summary_of(tmp_path, events):
   """profile_summary of a Perfetto trace holding these events, laid out as
   jax.profiler lays out its files."""
   import gzip
+
   from benchmarks import profile
   d = tmp_path / "plugins" / "profile" / "run1"
   d.mkdir(parents=True)
@@ -113,6 +114,7 @@ def test_hlo_dots_counts_each_matmul_by_its_loops():
   product of both."""
   import jax
   import jax.numpy as jnp
+
   from benchmarks import dots as bench
 
   def f(x, w, v, u):
@@ -155,6 +157,7 @@ def test_a_dot_timed_alone_is_the_same_contraction_in_its_layouts():
   viewed logically) and the einsum spec compute what the HLO dot computes."""
   import jax
   import numpy as np
+
   from benchmarks import dots as bench
   dot = bench.Dot("f32", ("f32", (3, 4, 5), "1,2,0"), ("f32", (3, 6, 4), "2,1,0"),
                   ((1,), (2,), (0,), (0,)))

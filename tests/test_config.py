@@ -3,7 +3,8 @@ import pytest
 
 from bov_jax import config as config_lib
 from bov_jax import values
-from tests.helpers import run_spec, small_config
+from tests.helpers import run_spec
+from tests.helpers import small_config
 
 
 def _mode(L=12, **kw):

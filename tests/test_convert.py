@@ -98,7 +98,9 @@ def test_round_trip_to_reference_names():
 
 
 def test_convert_command_writes_a_loadable_checkpoint(tmp_path):
-  from bov_jax import checkpoint, model as model_lib
+  from bov_jax import checkpoint
+  from bov_jax import model as model_lib
+  from bov_jax import rundir
   mt = "gpt_base_v_from_x0_learn"
   sd = helpers.random_reference_state_dict(mt, DIMS)
   np.savez(tmp_path / "model_000123.npz", **sd)
@@ -110,7 +112,7 @@ def test_convert_command_writes_a_loadable_checkpoint(tmp_path):
       capture_output=True, text=True, cwd=helpers_root(), timeout=300)
   assert out.returncode == 0, out.stderr
   assert json.loads(out.stdout.strip().splitlines()[-1])["checkpoint"].endswith("123")
-  cfg = checkpoint.read_config(str(tmp_path / "run"))
+  cfg = rundir.read_config(str(tmp_path / "run"))
   abstract = model_lib.abstract(model_spec(cfg))
   step, params, _, _, _ = checkpoint.Checkpoints(str(tmp_path / "run")).restore(
       nnx.to_pure_dict(nnx.state(abstract)))
@@ -139,10 +141,12 @@ def test_convert_brings_the_reference_tokenizer_and_never_trains_one(tmp_path):
   """--tokenizer copies the authors' tokenizer.pkl into the run directory; a converted run
   without one is refused a freshly trained tokenizer (its weights need their own)."""
   import pickle
+
   from bov_jax import corpus
-  from bov_jax import run as run_lib
+  from bov_jax import process
   from bov_jax import tokenizer as tok_lib
-  from tests.helpers import run_spec, small_config
+  from tests.helpers import run_spec
+  from tests.helpers import small_config
   dims = dict(DIMS, vocab_size=300)
   mt = "gpt_base"
   np.savez(tmp_path / "model_000007.npz", **helpers.random_reference_state_dict(mt, dims))
@@ -158,14 +162,14 @@ def test_convert_brings_the_reference_tokenizer_and_never_trains_one(tmp_path):
   got = tok_lib.load(str(tmp_path / "run" / "tokenizer"))
   assert got.encode("def f(x): return x") == ref.encode("def f(x): return x")
   spec = run_spec(small_config("gpt_base", vocab_size=300))
-  assert run_lib.tokenizer(spec, str(tmp_path / "run")).vocab_size == 300
+  assert process.tokenizer(spec, str(tmp_path / "run")).vocab_size == 300
   out = subprocess.run(cmd + [f"--workdir={tmp_path}/bare"], capture_output=True, text=True,
                        cwd=helpers_root(), timeout=300)
   assert out.returncode == 0, out.stderr
-  train, _ = run_lib.documents(spec)
+  train, _ = process.documents(spec)
   with pytest.raises(tok_lib.TokenizerError, match=r"has no tokenizer/tokenizer\.pkl.*"
                      r"--config\.data\.tokenizer=PATH"):
-    run_lib.tokenizer(spec, str(tmp_path / "bare"), train)  # would train: refused
+    process.tokenizer(spec, str(tmp_path / "bare"), train)  # would train: refused
   (tmp_path / "small").mkdir()
   small = tok_lib.train(tok_lib.training_texts(corpus.embedded_documents()[:400], 300_000), 280)
   (tmp_path / "small" / "tokenizer.pkl").write_bytes(pickle.dumps(small.enc))

@@ -192,7 +192,9 @@ def test_a_prompt_longer_than_the_training_length_is_scored_whole():
   import jax
   import jax.numpy as jnp
   from flax import nnx
-  from tests.helpers import init_model, small_config
+
+  from tests.helpers import init_model
+  from tests.helpers import small_config
   m = init_model(small_config("gpt_base_v_from_value_emb_learn", vocab_size=200,
                               sequence_len=64), jax.random.key(0))
   graphdef, state = nnx.split(m)
@@ -211,7 +213,9 @@ def test_a_prompt_longer_than_the_training_length_is_scored_whole():
 def test_core_end_to_end_with_a_model(tmp_path):
   import jax
   from flax import nnx
-  from tests.helpers import init_model, small_config
+
+  from tests.helpers import init_model
+  from tests.helpers import small_config
   write_bundle(tmp_path)
   cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=200, sequence_len=64)
   m = init_model(cfg, jax.random.key(0))

@@ -15,7 +15,7 @@ def _run(env):
   out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
                        timeout=60, env=env)
   assert out.returncode == 0, out.stderr
-  return [l for l in out.stdout.splitlines() if l.startswith("TUNABLES=")]
+  return [line for line in out.stdout.splitlines() if line.startswith("TUNABLES=")]
 
 
 @pytest.mark.skipif(not hostmem.wanted({"PATH": ""}), reason="no transparent huge pages here")

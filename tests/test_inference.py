@@ -10,11 +10,13 @@ from flax import nnx
 
 from bov_jax import inference
 from bov_jax import kvcache
+from bov_jax import model as model_lib
 from bov_jax import values
 from bov_jax.kernels import attention
 from bov_jax.kernels import sampling
-from bov_jax import model as model_lib
-from tests.helpers import model_spec, random_model, small_config
+from tests.helpers import model_spec
+from tests.helpers import random_model
+from tests.helpers import small_config
 
 
 def _model(preset, **kw):
@@ -211,8 +213,10 @@ def test_tables_in_host_memory_decode_the_same():
 
 
 def test_tables_on_host_refuses_several_devices():
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   from bov_jax import config as config_lib
-  from jax.sharding import NamedSharding, PartitionSpec as P
   if jax.device_count() < 2:
     pytest.skip("needs several devices")
   mesh = jax.make_mesh((jax.device_count(),), ("data",))

@@ -27,8 +27,8 @@ def _tpu(*args, timeout=60, **env):
 def test_dry_run_prints_gcloud(sub):
   out = _tpu(sub, "--config=configs/bov_780m.py")
   assert out.returncode == 0, out.stderr
-  lines = [l for l in out.stdout.splitlines() if l.strip()]
-  assert lines and all(l.startswith("gcloud compute tpus ") for l in lines)
+  lines = [line for line in out.stdout.splitlines() if line.strip()]
+  assert lines and all(line.startswith("gcloud compute tpus ") for line in lines)
 
 
 def test_run_uses_all_workers_and_forwards_flags():
@@ -79,7 +79,7 @@ def test_setup_copies_code_only_and_installs_the_runtime_set():
 
 
 def _commands(out):
-  return [l for l in out.stdout.splitlines() if l.strip()]
+  return [line for line in out.stdout.splitlines() if line.strip()]
 
 
 def test_watch_recovers_a_preempted_queued_resource_and_a_preempted_run():

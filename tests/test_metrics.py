@@ -41,7 +41,7 @@ def test_writer_appends_and_a_resume_cuts_what_it_repeats(tmp_path):
   w.write({"step": 4, "train_loss": 6.5, "lr": 0.4, "val_bpb": 1.5})
   w.close()
   after = path.read_text()
-  lines = [json.loads(l) for l in after.splitlines()]
+  lines = [json.loads(line) for line in after.splitlines()]
   assert [r["step"] for r in lines] == [1, 2, 3, 4]
   assert after.startswith(before[:before.index('{"step": 4')])  # earlier lines untouched
   assert lines[-1]["train_loss"] == 6.5
@@ -62,12 +62,15 @@ def test_no_tensorboard_when_turned_off_and_no_files_off_process_zero(tmp_path):
 
 
 def test_wandb_is_optional_and_named(tmp_path, monkeypatch):
-  import builtins
-  real = builtins.__import__
-  monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(
-      ImportError("no wandb")) if name == "wandb" else real(name, *a, **k))
+  """Without wandb, log.wandb_project names the extra that installs it (the train
+  command prints that line and exits 1)."""
+  import sys
+
+  from bov_jax import extras
+  monkeypatch.setitem(sys.modules, "wandb", None)  # an import of it raises ImportError
   cfg = ml_collections.ConfigDict(dict(LOG, wandb_project="bov"))
-  with pytest.raises(ValueError, match=r"log\.wandb_project is set but wandb is not installed"):
+  with pytest.raises(extras.MissingExtra,
+                     match=r"log\.wandb_project needs wandb.*pip install '\.\[wandb\]'"):
     metrics.Writer(str(tmp_path), 0, cfg, {})
 
 

@@ -9,7 +9,10 @@ from bov_jax import model as model_lib
 from bov_jax import values
 from bov_jax.kernels import attention
 from bov_jax.kernels.matmul import mm
-from tests.helpers import init_model, model_spec, random_model, small_config
+from tests.helpers import init_model
+from tests.helpers import model_spec
+from tests.helpers import random_model
+from tests.helpers import small_config
 
 ALL_PRESETS = sorted(values.PRESETS)
 

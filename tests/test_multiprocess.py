@@ -64,7 +64,7 @@ def _collect(proc, log: str, timeout=300):
 
 def _metrics(wd):
   with open(os.path.join(wd, "metrics.jsonl")) as f:
-    return [json.loads(l) for l in f if l.strip()]
+    return [json.loads(line) for line in f if line.strip()]
 
 
 def test_multiprocess_step_and_data_equal_one_process():

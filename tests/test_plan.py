@@ -7,7 +7,8 @@ import pytest
 
 from bov_jax import config as config_lib
 from bov_jax import plan
-from tests.helpers import model_spec, small_config
+from tests.helpers import model_spec
+from tests.helpers import small_config
 
 
 def _plan_cli(config, *overrides):

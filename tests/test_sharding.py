@@ -13,7 +13,11 @@ from bov_jax import model as model_lib
 from bov_jax import plan
 from bov_jax import sharding
 from bov_jax import step as step_lib
-from tests.helpers import TINY_RUN, model_spec, random_model, run_spec, small_config
+from tests.helpers import TINY_RUN
+from tests.helpers import model_spec
+from tests.helpers import random_model
+from tests.helpers import run_spec
+from tests.helpers import small_config
 
 MESHES = [(2, 2, 2), (1, 8, 1), (1, 1, 8), (8, 1, 1), (2, 4, 1), (1, 2, 4)]
 

@@ -27,7 +27,7 @@ def _run(module, *args, env, timeout=600):
 
 
 def _metrics(fs, path):
-  return [json.loads(l) for l in fs.cat(path).decode().splitlines() if l.strip()]
+  return [json.loads(line) for line in fs.cat(path).decode().splitlines() if line.strip()]
 
 
 def test_appending_to_a_bucket_file(gcs):

@@ -26,14 +26,14 @@ def test_shipped_sweeps_print_one_command_per_point(name, n):
   assert out.returncode == 0, out.stderr
   lines = out.stdout.strip().splitlines()
   assert len(lines) == n
-  assert all(l.startswith("python -m bov_jax.main --config=configs/") for l in lines)
-  assert len({l.split("--workdir=")[1].split()[0] for l in lines}) == n  # a workdir each
-  assert not any("target_flops" in l or "num_iterations" in l for l in lines)
+  assert all(line.startswith("python -m bov_jax.main --config=configs/") for line in lines)
+  assert len({line.split("--workdir=")[1].split()[0] for line in lines}) == n  # a workdir each
+  assert not any("target_flops" in line or "num_iterations" in line for line in lines)
 
 
 def test_table1_rows_are_the_paper_variants():
   lines = _sweep("--sweep=configs/sweeps/table1.py", "--print").stdout.splitlines()
-  presets = [l.split("--config.model.value.preset=")[1].split()[0] for l in lines]
+  presets = [line.split("--config.model.value.preset=")[1].split()[0] for line in lines]
   assert presets[0] == "gpt_base" and presets[8] == "gpt_base_v_from_x0_learn"
   assert presets[-1] == "gpt_base_add_init_res_v_learn"
 
@@ -47,7 +47,7 @@ def test_every_point_keeps_the_flop_budget(tmp_path):
 
 
 def test_figure_5b_and_tables_3_5_are_the_papers():
-  presets = lambda name: [l.split("--config.model.value.preset=")[1].split()[0] for l in
+  presets = lambda name: [line.split("--config.model.value.preset=")[1].split()[0] for line in
                           _sweep(f"--sweep=configs/sweeps/{name}.py", "--print").stdout.splitlines()]
   assert presets("fig5b") == [
       "gpt_base_v_from_value_emb_learn", "gpt_base_v_from_value_emb_learn_shared",
@@ -94,5 +94,16 @@ def test_report_on_two_runs(tmp_path):
   written = json.loads(out.stdout.strip().splitlines()[-1])["written"]
   assert sum(w.endswith(".png") for w in written) >= 2
   md = open(os.path.join(tmp_path, "rep", "results.md")).read()
-  row = next(l for l in md.splitlines() if "gpt_base_v_from_value_emb_learn" in l)
+  row = next(line for line in md.splitlines() if "gpt_base_v_from_value_emb_learn" in line)
   assert row.split("|")[5].strip() == "1"  # the layers column: the bank layer
+  # without matplotlib: one line naming the extra, exit 1, and the tables still written
+  hide = tmp_path / "no_matplotlib"
+  (hide / "matplotlib").mkdir(parents=True)
+  (hide / "matplotlib" / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+  out = subprocess.run([sys.executable, "-m", "bov_jax.report", *runs, f"--out={tmp_path}/rep2"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env=dict(env, PYTHONPATH=f"{hide}{os.pathsep}{ROOT}"))
+  assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+  (line,) = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+  assert "pip install '.[report]'" in line
+  assert os.path.exists(os.path.join(tmp_path, "rep2", "results.md"))

@@ -12,7 +12,9 @@ torch = pytest.importorskip("torch", reason="the PyTorch reference is the option
 
 from benchmarks import torch_reference  # noqa: E402
 from bov_jax import optim  # noqa: E402
-from tests.helpers import init_model, model_spec, small_config  # noqa: E402
+from tests.helpers import init_model  # noqa: E402
+from tests.helpers import model_spec  # noqa: E402
+from tests.helpers import small_config  # noqa: E402
 
 
 def _t(x):

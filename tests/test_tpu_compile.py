@@ -5,6 +5,7 @@ running them interpreted."""
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 
@@ -74,6 +75,20 @@ def test_train_step_compiles_with_splash_for_a_tpu():
   assert 0 < fig["argument_bytes"] < fig["peak_bytes"] < aot.GiB
   assert fig["alias_bytes"] > 0  # the donated state is updated in place
   assert fig["compile_s"] > 0
+
+
+def test_a_data_parallel_step_gathers_nothing():
+  """Split over data alone, a train step only all-reduces gradients: the cross-entropy's
+  chunks run along positions, so no device gathers the batch's hidden states (a scan
+  along the split batch did, for the whole global batch on every chip)."""
+  cfg = _config(data=4)
+  cfg.model.loss_chunk = 128  # several chunks per device
+  spec = spec_lib.resolve(cfg, backend="tpu")
+  devices, _ = aot.devices("v5e-4")
+  _, lowered = aot.train_programs(spec, aot.sharding.make_mesh(spec.mesh, devices))
+  hlo = aot.compile_lowered(lowered["train_step"])[1].as_text()
+  kinds = re.findall(r"= .*? (all-gather|reduce-scatter|all-reduce|all-to-all)(?:-start)?\(", hlo)
+  assert "all-reduce" in kinds and "all-gather" not in kinds, sorted(set(kinds))
 
 
 def test_decode_programs_compile_with_the_bank_kernel():

@@ -15,9 +15,11 @@ import pytest
 from flax import nnx
 
 from bov_jax import bpb
-from bov_jax import run as run_lib
+from bov_jax import process
 from bov_jax import step as step_lib
-from tests.helpers import TINY_RUN, init_model, small_config
+from tests.helpers import TINY_RUN
+from tests.helpers import init_model
+from tests.helpers import small_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--config=configs/tiny.py", *TINY_RUN, "--config.train.sample_tokens=8",
@@ -39,7 +41,7 @@ def _main(workdir, *extra, timeout=600, env=None, fast=True):
 
 def _metrics(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(l) for l in f if l.strip()]
+    return [json.loads(line) for line in f if line.strip()]
 
 
 def test_bits_per_byte_by_hand():
@@ -183,7 +185,7 @@ def test_unusable_compile_cache_dir_is_named_and_skipped(monkeypatch, capsys, tm
     blocker.write_text("")
     cfg = config_lib.base_config()
     cfg.train.compile_cache_dir = str(blocker / "cache")  # under a file: cannot be made
-    run_lib.use_compile_cache(cfg.train.compile_cache_dir)
+    process.use_compile_cache(cfg.train.compile_cache_dir)
     err = capsys.readouterr().err
     assert f"train.compile_cache_dir='{blocker / 'cache'}' is unusable" in err
     assert jax.config.jax_compilation_cache_dir is None  # left off, not half on
@@ -224,7 +226,7 @@ def test_sigterm_checkpoints_and_resume_continues(tmp_path):
       break
   rest = proc.communicate(timeout=120)[0]
   assert proc.returncode == 75, rest[-2000:]  # preempted: run the same command again
-  m = [l for l in rest.splitlines() if l.startswith("preempted: checkpointed step")]
+  m = [line for line in rest.splitlines() if line.startswith("preempted: checkpointed step")]
   assert m, rest[-2000:]
   step = int(m[0].split("step ")[1].split(";")[0])
   assert step >= 4 and os.path.isdir(os.path.join(wd, "checkpoints", str(step)))

@@ -36,7 +36,6 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from bov_jax import sharding
-
 from bov_jax.config import SPLASH_BLOCK
 
 CAUSAL_BLOCK = 128  # query rows per block of `blocks`

@@ -15,7 +15,8 @@ the memory traffic of a stored-value layer with a cache that holds only ids.
 path; `fused` runs the target's kernel (off TPU and GPU, the TPU kernel in the
 Pallas interpreter: slow, for tests); `fused_if_compiles`, what `auto` becomes on
 TPU, is decided before tracing (`resolve`): the TPU kernel where it compiles for the
-target device at the model's shapes, otherwise XLA's gather, with a warning. What has been measured of the kernels:
+target device at the model's shapes, otherwise XLA's gather, with a warning. What has
+been measured of the kernels:
 docs/performance.md ("Decoding").
 
 Layout (as `attention.attend` takes it): rows n = b * K + h, one per sequence b
@@ -45,7 +46,7 @@ def fits(context: int, head_dim: int, platform: str = "tpu") -> bool:
   return (gpu if platform == "gpu" else tpu).fits(context, head_dim)
 
 
-def kernel_for(setting: str, context: int, head_dim: int, table_lookup: str, batch: int = 1,
+def kernel_for(setting: str, context: int, head_dim: int, tables_on_host: bool, batch: int = 1,
                table_shape=None, *, platform: str = "tpu") -> str:
   """`fused` or `xla` for this cache under `model.decode_attention` (resolved: `xla` or
   `fused`; `fused_if_compiles` is decided by `resolve` before tracing). A cache the
@@ -55,7 +56,7 @@ def kernel_for(setting: str, context: int, head_dim: int, table_lookup: str, bat
   if setting == "fused_if_compiles":
     raise ValueError("model.decode_attention='fused_if_compiles' is decided for the target "
                      "device before tracing (bank_decode.resolve)")
-  if (setting == "xla" or table_lookup == "host" or not fits(context, head_dim, platform)
+  if (setting == "xla" or tables_on_host or not fits(context, head_dim, platform)
       or mesh_split(batch, table_shape) is None):
     return "xla"
   return "fused"

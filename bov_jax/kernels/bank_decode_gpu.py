@@ -16,6 +16,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from bov_jax.kernels import div
+
 GPU_BLOCK = 64  # cached positions per loop step
 GPU_SPLITS = 16  # programs per (sequence, kv head), each over a 16th of the cache,
                  # so a batch of one still fills the SMs (flash decoding's split-K)
@@ -29,10 +31,6 @@ def fits(context: int, head_dim: int) -> bool:
   return context % GPU_BLOCK == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def _div(a, d: int):
-  return jax.lax.div(a, np.int32(d))
-
-
 def _kernel(qpos_ref, vstart_ref, ids_ref, q_ref, k_ref, table_ref, o_ref, l_ref, m_ref,
                 *, K, window, local_rows, split, per_split):
   """One (row, split) program: the split's blocks inside the query's window, each
@@ -40,8 +38,8 @@ def _kernel(qpos_ref, vstart_ref, ids_ref, q_ref, k_ref, table_ref, o_ref, l_ref
   n, sp = pl.program_id(0), pl.program_id(1)
   h = jax.lax.rem(n, np.int32(K))
   qpos = qpos_ref[0]
-  first = _div(jnp.maximum(jnp.maximum(qpos - window, 0), sp * per_split), GPU_BLOCK)
-  last = _div(jnp.minimum(qpos, (sp + 1) * per_split - 1), GPU_BLOCK)  # may be < first
+  first = div(jnp.maximum(jnp.maximum(qpos - window, 0), sp * per_split), GPU_BLOCK)
+  last = div(jnp.minimum(qpos, (sp + 1) * per_split - 1), GPU_BLOCK)  # may be < first
   q = q_ref[...]
   scale = 1.0 / math.sqrt(q.shape[-1])
 

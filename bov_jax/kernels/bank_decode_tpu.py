@@ -18,6 +18,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from bov_jax.kernels import div
+
 BLOCK = 128  # cached positions per grid step: one 128-row key tile, 128 row DMAs
 CORES = 2  # megacore chips split the rows over two TensorCores
 LANES = 128  # running max and sum are kept lane-replicated, as TPU flash kernels do
@@ -35,7 +37,7 @@ def _kernel(qpos_ref, vstart_ref, ids_ref, ids_next_ref, q_ref, k_ref, table_ref
   ahead, across rows too (a core runs its R rows in order)."""
   r, j = pl.program_id(1), pl.program_id(2)
   n = pl.program_id(0) * R + r
-  b, h = _div(n, K), jax.lax.rem(n, np.int32(K))
+  b, h = div(n, K), jax.lax.rem(n, np.int32(K))
   qpos = qpos_ref[b]
   lo, hi = _block_range(qpos, window)
 
@@ -115,14 +117,7 @@ def _kernel(qpos_ref, vstart_ref, ids_ref, ids_next_ref, q_ref, k_ref, table_ref
 
 def _block_range(qpos, window):
   """First and last key block a query at qpos sees (keys qpos - window .. qpos)."""
-  return _div(jnp.maximum(qpos - window, 0), BLOCK), _div(qpos, BLOCK)
-
-
-def _div(a, d: int):
-  """a // d for a >= 0. Truncating division: `//` on signed integers lowers
-  through `sign`, which Mosaic lowers per TPU generation, so a lowering check
-  off TPU could not run it."""
-  return jax.lax.div(a, np.int32(d))
+  return div(jnp.maximum(qpos - window, 0), BLOCK), div(qpos, BLOCK)
 
 
 def call(q_NGE, k_NSE, ids_BS, table_VF, qpos_B, vstart, *, window, split, interpret):
@@ -143,21 +138,21 @@ def call(q_NGE, k_NSE, ids_BS, table_VF, qpos_B, vstart, *, window, split, inter
   R = N // C
 
   def key_block(n, j, qpos):
-    lo, hi = _block_range(qpos[_div(n, K)], window)
+    lo, hi = _block_range(qpos[div(n, K)], window)
     return jnp.clip(j, lo, hi)
 
   def ids_block(c, r, j, qp, vs):
     n = c * R + r
-    return (_div(n, K) * nb + key_block(n, j, qp), 0, 0)
+    return (div(n, K) * nb + key_block(n, j, qp), 0, 0)
 
   def ids_next_block(c, r, j, qp, vs):
     """Block j + 1 of this row, or from the row's last block on, the next row's
     first (the rows requested ahead)."""
     n = c * R + r
     nxt = jnp.minimum(n + 1, N - 1)
-    last = j >= _block_range(qp[_div(n, K)], window)[1]
-    return (jnp.where(last, _div(nxt, K) * nb + _block_range(qp[_div(nxt, K)], window)[0],
-                      _div(n, K) * nb + key_block(n, j + 1, qp)), 0, 0)
+    last = j >= _block_range(qp[div(n, K)], window)[1]
+    return (jnp.where(last, div(nxt, K) * nb + _block_range(qp[div(nxt, K)], window)[0],
+                      div(n, K) * nb + key_block(n, j + 1, qp)), 0, 0)
 
   kernel = functools.partial(_kernel, K=K, R=R, window=window, local_rows=V, split=split)
   return pl.pallas_call(

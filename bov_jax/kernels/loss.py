@@ -53,14 +53,27 @@ def _chunk_nll(hc, yc, wv):
   return jnp.where(yc >= 0, nll, 0.0), t, e, s
 
 
-def _rows(x, chunk):
-  n = x.shape[0]
-  c = _split(n, chunk)
-  return x.reshape(n // c, c, *x.shape[1:])
+def _chunks(x, chunk, seqs):
+  """x [N, ...] as [n, c, ...], chunks of about `chunk` rows. x holds `seqs` sequences
+  back to back, and a chunk takes the same positions of every one: the scan over chunks
+  then runs along positions, never along the sequences, which a batch sharding splits
+  (a scan along them would gather the whole batch onto every device)."""
+  T = x.shape[0] // seqs
+  p = _split(T, max(1, chunk // seqs))
+  x = x.reshape(seqs, T // p, p, *x.shape[1:]).swapaxes(0, 1)
+  return x.reshape(T // p, seqs * p, *x.shape[3:])
 
 
-def softcap_nll(h_ND, w_DV, y_N, vocab: int, chunk: int = 1024):
-  """Per-row NLL [N] (0 where y == -1) of the soft-capped logits; h [N, D], w [D, Vp].
+def _unchunk(x, seqs):
+  """The inverse of `_chunks`: [n, c, ...] back to [N, ...] in sequence order."""
+  n, c = x.shape[:2]
+  x = x.reshape(n, seqs, c // seqs, *x.shape[2:]).swapaxes(0, 1)
+  return x.reshape(n * c, *x.shape[3:])
+
+
+def softcap_nll(h_ND, w_DV, y_N, vocab: int, chunk: int = 1024, seqs: int = 1):
+  """Per-row NLL [N] (0 where y == -1) of the soft-capped logits; h [N, D] (`seqs`
+  sequences back to back), w [D, Vp].
 
   For evaluation; training uses `softcap_nll_sum`, whose gradient is hand-written.
   """
@@ -69,19 +82,19 @@ def softcap_nll(h_ND, w_DV, y_N, vocab: int, chunk: int = 1024):
   def body(_, hy):
     return None, _chunk_nll(*hy, wv)[0]
 
-  _, nll = jax.lax.scan(body, None, (_rows(h_ND, chunk), _rows(y_N, chunk)))
-  return nll.reshape(-1)
+  _, nll = jax.lax.scan(body, None, (_chunks(h_ND, chunk, seqs), _chunks(y_N, chunk, seqs)))
+  return _unchunk(nll, seqs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def softcap_nll_sum(h_ND, w_DV, y_N, vocab: int, chunk: int = 1024):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def softcap_nll_sum(h_ND, w_DV, y_N, vocab: int, chunk: int = 1024, seqs: int = 1):
   """Sum over rows of `softcap_nll`, with its gradient formed chunk by chunk in
   the forward pass."""
-  return _sum_fwd(h_ND, w_DV, y_N, vocab, chunk)[0]
+  return _sum_fwd(h_ND, w_DV, y_N, vocab, chunk, seqs)[0]
 
 
-def _sum_fwd(h, w, y, vocab, chunk):
-  N, D = h.shape
+def _sum_fwd(h, w, y, vocab, chunk, seqs):
+  D = h.shape[1]
   wv = _head(w, vocab, h.dtype)
 
   def body(dw, hy):
@@ -97,12 +110,13 @@ def _sum_fwd(h, w, y, vocab, chunk):
     return dw, (jnp.sum(nll), dz @ wv.T)
 
   dw, (nll, dh) = jax.lax.scan(body, jnp.zeros((D, vocab), jnp.float32),
-                               (_rows(h, chunk), _rows(y, chunk)))
+                               (_chunks(h, chunk, seqs), _chunks(y, chunk, seqs)))
   dw = jnp.pad(dw, ((0, 0), (0, w.shape[1] - vocab))).astype(w.dtype)
-  return jnp.sum(nll), (dh.reshape(N, D), dw)
+  return jnp.sum(nll), (_unchunk(dh, seqs), dw)
 
 
-def _sum_bwd(vocab, chunk, res, g):
+def _sum_bwd(vocab, chunk, seqs, res, g):
+  del vocab, chunk, seqs
   dh, dw = res
   return (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), None
 

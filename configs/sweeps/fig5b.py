@@ -3,7 +3,6 @@ shared table, the coefficient fixed at 1, a table at every layer, the standard v
 (V + E_v[i]), against BoV itself. Points beyond the figure: fig5b_extra.py."""
 from bov_jax.sweep import from_presets
 
-
 ROWS = [
     ("bov", "gpt_base_v_from_value_emb_learn"),
     ("shared_table", "gpt_base_v_from_value_emb_learn_shared"),

@@ -3,7 +3,6 @@ gate of the modded-nanogpt value embeddings) in the last third. Run it beside fi
 with the same --workdir_root: its BoV point is the figure's."""
 from bov_jax.sweep import from_presets
 
-
 ROWS = [
     ("gated_add_v", "gpt_base_add_init_value_emb_nanogpt"),
 ]

@@ -1,7 +1,6 @@
 """Table 1 of the paper: the 13 value-vector variants at d12 (135M), 1.50e18 FLOPs each."""
 from bov_jax.sweep import from_presets
 
-
 ROWS = [
     ("baseline", "gpt_base"),
     ("v_scale_learn", "gpt_base_v_scale_learn"),

@@ -1,7 +1,6 @@
 """Table 2 of the paper: baseline, BoV, x0 W_v, V1 and V1 at every layer at d24 (780M)."""
 from bov_jax.sweep import from_presets
 
-
 ROWS = [
     ("baseline", "gpt_base"),
     ("bov", "gpt_base_v_from_value_emb_learn"),

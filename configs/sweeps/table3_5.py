@@ -4,7 +4,6 @@ every other layer). The `bov` point is table2.py's: with the same --workdir_root
 trained once."""
 from bov_jax.sweep import from_presets
 
-
 ROWS = [
     ("bov", "gpt_base_v_from_value_emb_learn"),
     ("gated_add_every2", "gpt_base_add_init_value_emb_nanogpt_every2"),

@@ -11,9 +11,8 @@ import jax
 from etils import epath
 
 from bov_jax import corpus as corpus_lib
+from bov_jax import rundir
 from bov_jax import tokenizer as tok_lib
-
-TOKENIZER_DIR = "tokenizer"
 
 
 def is_main() -> bool:
@@ -59,7 +58,7 @@ def tokenizer(spec, workdir: str | None, train_split=None) -> tok_lib.Tokenizer:
   (evaluating or sampling a run) or a run directory that already holds checkpoints
   (converted weights), an error naming what is missing."""
   vocab = spec.model.vocab_size
-  here = f"{workdir.rstrip('/')}/{TOKENIZER_DIR}" if workdir else None
+  here = rundir.tokenizer(workdir) if workdir else None
   have = bool(here) and (epath.Path(here) / tok_lib.PICKLE).exists()
   if jax.process_count() > 1:  # process 0's view, before it may write one
     from jax.experimental import multihost_utils
@@ -71,10 +70,9 @@ def tokenizer(spec, workdir: str | None, train_split=None) -> tok_lib.Tokenizer:
     return tok
   if have:
     return tok_lib.checked(tok_lib.load(here), here, vocab)
-  from bov_jax import checkpoint as ckpt_lib
-  if train_split is None or (workdir and ckpt_lib.saved_steps(workdir)):
+  if train_split is None or (workdir and rundir.saved_steps(workdir)):
     raise tok_lib.TokenizerError(
-        f"--workdir={workdir} has no {TOKENIZER_DIR}/{tok_lib.PICKLE} (the run's tokenizer); "
+        f"--workdir={workdir} has no {rundir.TOKENIZER}/{tok_lib.PICKLE} (the run's tokenizer); "
         "give the one its weights were trained with: --config.data.tokenizer=PATH, or "
         "`python -m bov_jax.convert --tokenizer=DIR` when converting")
   d = spec.data

@@ -1,0 +1,168 @@
+"""The run directory: every name in it, local or gs://, spelled here and nowhere else.
+
+  config.json            the run's config of record: a resume compares the config it is
+                         asked for with this one (refusing changes it cannot restore) and
+                         rewrites it with the changes it takes
+  config_changes.jsonl   one line per resume that changed a setting
+  tokenizer/             the run's tokenizer (tokenizer.pkl, token_bytes.npy)
+  checkpoints/<step>/    orbax steps (checkpoint.py): params, opt, data, meta
+  metrics.jsonl          one record per logged step (metrics.py)
+  events.out.tfevents.*  TensorBoard's event files (named by the writer itself)
+  eval.json, core.json   the last --mode=eval result (validation bpb, CORE)
+  log.HOST.txt           a sweep point's console output, per host (sweep.py)
+  DONE                   written after the last step: the last record (sweeps and
+                         launch/tpu.sh's `watch` skip or stop on it)
+
+Nothing is written here before the whole config has been checked (spec.resolve and
+step.batch_layout both raise before a mode opens its run directory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import ml_collections
+from etils import epath
+
+from bov_jax import config as config_lib
+
+CONFIG = "config.json"
+CONFIG_CHANGES = "config_changes.jsonl"
+TOKENIZER = "tokenizer"
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+EVAL = "eval.json"
+CORE = "core.json"
+DONE = "DONE"
+
+
+class RunDirError(ValueError):
+  """A workdir that cannot hold, or resume, the requested run."""
+
+
+def path(workdir: str) -> epath.Path:
+  """The workdir as a path (absolute when local); an existing file is refused."""
+  p = epath.Path(workdir if "://" in workdir else os.path.abspath(workdir))
+  if p.exists() and not p.is_dir():
+    raise RunDirError(f"--workdir={workdir} is a file; expected a directory (new or a run's)")
+  return p
+
+
+def checkpoints(workdir: str) -> str:
+  return str(path(workdir) / CHECKPOINTS)
+
+
+def checkpoint_data(workdir: str, step: int, process: int, processes: int) -> epath.Path:
+  """Where a checkpoint keeps one process's data-iterator state (grain's file name)."""
+  return (path(workdir) / CHECKPOINTS / str(step) / "data"
+          / f"process_{process}-of-{processes}.json")
+
+
+def tokenizer(workdir: str) -> str:
+  return f"{workdir.rstrip('/')}/{TOKENIZER}"
+
+
+def metrics(workdir: str) -> epath.Path:
+  return path(workdir) / METRICS
+
+
+def core(workdir: str) -> epath.Path:
+  return path(workdir) / CORE
+
+
+def sweep_log(workdir: str, host: str) -> str:
+  return f"{workdir.rstrip('/')}/log.{host}.txt"
+
+
+def saved_steps(workdir: str) -> list[int]:
+  """The steps checkpointed in a workdir, from its listing alone (no orbax manager: making
+  one is a collective every process must join)."""
+  d = path(workdir) / CHECKPOINTS
+  return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
+def write_result(workdir: str, name: str, result: dict) -> None:
+  """A mode's result (EVAL or CORE) beside the run."""
+  (path(workdir) / name).write_text(json.dumps(result))
+
+
+# -- finished runs ----------------------------------------------------------------------
+
+def is_done(workdir: str) -> bool:
+  return (epath.Path(workdir) / DONE).exists()
+
+
+def mark_done(workdir: str, last: dict) -> None:
+  (path(workdir) / DONE).write_text(json.dumps(last))
+
+
+def clear_done(workdir: str) -> None:
+  """Training goes on (more steps asked for): not finished until it ends again."""
+  done = path(workdir) / DONE
+  if done.exists():
+    done.unlink()
+
+
+# -- the config of record ---------------------------------------------------------------
+
+def read_config(workdir: str) -> ml_collections.ConfigDict | None:
+  """The workdir's config.json over the schema's defaults (so a config written before
+  a setting existed still reads), or None when there is none."""
+  p = path(workdir) / CONFIG
+  if not p.exists():
+    return None
+  cfg = config_lib.base_config()
+  for key, value in config_lib.flatten(json.loads(p.read_text())).items():
+    *parents, name = key.split(".")
+    node = cfg
+    for part in parents:
+      node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
+    if isinstance(node, ml_collections.ConfigDict) and name in node:
+      with node.ignore_type():
+        node[name] = value
+  return cfg
+
+
+def write_config(workdir: str, cfg) -> None:
+  d = path(workdir)
+  d.mkdir(parents=True, exist_ok=True)
+  (d / CONFIG).write_text(cfg.to_json(indent=2))
+
+
+def check_config(workdir: str, cfg) -> dict | None:
+  """The settings `cfg` changes against the workdir's config of record ({name: (old, new)};
+  None for a new workdir). Once the workdir holds a checkpoint, a change it cannot restore
+  (config.FIXED_ON_RESUME) is refused, naming each setting and both values. Every process
+  checks; only process 0 records (record_config)."""
+  old = read_config(workdir)
+  if old is None:
+    return None
+  delta = config_lib.changes(old, cfg)
+  fixed = config_lib.fixed_changes(delta)
+  if fixed and saved_steps(workdir):
+    lines = "\n".join(f"  {k}: the run has {a!r}, asked for {b!r}" for k, (a, b) in fixed.items())
+    raise RunDirError(
+        f"--workdir={workdir} holds a run whose checkpoints cannot restore into the requested "
+        f"config; these settings differ:\n{lines}\nUse a new --workdir, or leave them as the "
+        "run has them (--mode=eval and --mode=sample need no --config: they read the run's)")
+  return delta
+
+
+def record_config(workdir: str, cfg, delta: dict | None, log=print) -> None:
+  """Makes `cfg` the workdir's config of record: a new workdir takes it as is; a resume
+  that changed settings (`delta`, from check_config) logs them and appends them to
+  config_changes.jsonl."""
+  if delta is None:
+    write_config(workdir, cfg)
+  elif delta:
+    log("resuming with changed settings: "
+        + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in delta.items()))
+    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "after_step": max(saved_steps(workdir), default=None),
+              "changes": {k: [a, b] for k, (a, b) in delta.items()}}
+    changes = path(workdir) / CONFIG_CHANGES
+    before = changes.read_text() if changes.exists() else ""
+    changes.write_text(before + json.dumps(record) + "\n")
+    write_config(workdir, cfg)
