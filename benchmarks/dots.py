@@ -66,6 +66,20 @@ _HLO_CALLS = re.compile(r"\b(calls|body|to_apply|condition|called_computations|"
                         r"branch_computations)=\{?(%[\w.\-]+(?:, %[\w.\-]+)*)\}?")
 
 
+def _counted_trips(while_line: str, comps: dict) -> int:
+  """A while loop's trips from its condition, where the compiler printed no
+  known_trip_count (the TPU compiler's modules): `counter < N` on the tuple's element 0,
+  with one s32 constant N, is lax.scan's and fori_loop's loop from 0 by 1. Else 1."""
+  m = re.search(r"condition=%?([\w.\-]+)", while_line)
+  cond = comps.get(m.group(1), []) if m else []
+  consts = [int(c) for line in cond for c in re.findall(r"s32\[\]\S* constant\((\d+)\)", line)]
+  root = [line for line in cond if "ROOT" in line]
+  if (len(consts) == 1 and root and "direction=LT" in root[0]
+      and any("get-tuple-element" in line and "index=0" in line for line in cond)):
+    return consts[0]
+  return 1
+
+
 def hlo_runs(hlo_text: str) -> tuple[dict, collections.Counter]:
   """({computation: its instruction lines}, computation -> how many times one run of
   the module executes it), from the text of a compiled module: each computation counted
@@ -85,10 +99,11 @@ def hlo_runs(hlo_text: str) -> tuple[dict, collections.Counter]:
   for caller, lines in comps.items():
     for line in lines:
       trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+      trips = int(trip.group(1)) if trip else _counted_trips(line, comps)
       for kind, names in _HLO_CALLS.findall(line):
         for callee in (n.strip().lstrip("%") for n in names.split(",")):
           if callee in comps:
-            times = int(trip.group(1)) if kind == "body" and trip else 1
+            times = trips if kind == "body" else 1
             callees[caller].append((callee, times))
             callers[callee] += 1
   runs = collections.Counter({entry: 1})

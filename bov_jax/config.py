@@ -141,6 +141,8 @@ def base_config() -> ml_collections.ConfigDict:
   lg.tensorboard = True       # TensorBoard event files in the run directory
   lg.wandb_project = ""       # Weights & Biases project ("" = off; needs `pip install wandb`)
   lg.wandb_entity = ""
+  lg.profile_steps = 0        # steps traced with jax.profiler into DIR/profile/ (0 = off)
+  lg.profile_start_step = 2   # the first one traced (the first step a run takes compiles)
 
   c.mesh = ms = ml_collections.ConfigDict()
   ms.data = -1
@@ -245,6 +247,9 @@ def validate(cfg) -> None:
   if t.num_iterations == 0 and not t.target_flops > 0:
     raise ConfigError("train.target_flops must be > 0 when train.num_iterations is 0")
   _positive("data.val_every", cfg.data.val_every)
+  if cfg.log.profile_steps < 0 or cfg.log.profile_start_step < 1:
+    raise ConfigError(f"log.profile_steps={cfg.log.profile_steps} and log.profile_start_step="
+                      f"{cfg.log.profile_start_step}: expected >= 0 steps from step >= 1")
   _choice("data.val_split", cfg.data.val_split, VAL_SPLITS)
 
 

@@ -279,3 +279,35 @@ def download(shards: int, directory: str, dry_run: bool = False, fetch=None) -> 
   for f in futures:
     f.result()
   return missing
+
+
+def _download_main(argv) -> int:
+  from absl import app
+  from absl import flags
+  f = flags.FLAGS
+  if len(argv) != 2 or argv[1] != "download":
+    raise app.UsageError("usage: python -m bov_jax.data download --shards=N --dir=DIR "
+                         "[--dry_run]")
+  names = download(f.shards, f.dir, dry_run=f.dry_run)
+  for n in names:
+    print(f"{'would fetch' if f.dry_run else 'fetched'} {CLIMBMIX_REPO}/{n} -> {f.dir}")
+  print(json.dumps({"dir": f.dir, "fetched" if not f.dry_run else "would_fetch": names}))
+  return 0
+
+
+def download_command() -> None:
+  """`python -m bov_jax.data download --shards=N --dir=DIR [--dry_run]` (or
+  `python -m bov_jax.corpus download ...`): ClimbMix's shards fetched into DIR."""
+  import sys
+
+  from absl import app
+  from absl import flags
+  flags.DEFINE_integer("shards", 8, "training shards of ClimbMix (the validation shard is added)")
+  flags.DEFINE_string("dir", "~/.cache/bov_jax/climbmix",
+                      "where the shards go (a local directory)")
+  flags.DEFINE_bool("dry_run", False, "print what would be fetched, fetch nothing")
+  app.run(lambda argv: sys.exit(_download_main(argv)))
+
+
+if __name__ == "__main__":
+  download_command()

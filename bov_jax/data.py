@@ -22,9 +22,7 @@ host.
 from __future__ import annotations
 
 import bisect
-import json
 import math
-import sys
 
 import grain
 import numpy as np
@@ -205,25 +203,6 @@ def val_rows(docs, tok, row_len: int, n_rows: int, buffer_size: int = 1000) -> n
   return np.stack(rows)
 
 
-def main(argv) -> int:
-  from absl import app
-  from absl import flags
-
+if __name__ == "__main__":  # `python -m bov_jax.data download`: the command is corpus.py's
   from bov_jax import corpus
-  f = flags.FLAGS
-  if len(argv) != 2 or argv[1] != "download":
-    raise app.UsageError("usage: python -m bov_jax.data download --shards=N --dir=DIR [--dry_run]")
-  names = corpus.download(f.shards, f.dir, dry_run=f.dry_run)
-  for n in names:
-    print(f"{'would fetch' if f.dry_run else 'fetched'} {corpus.CLIMBMIX_REPO}/{n} -> {f.dir}")
-  print(json.dumps({"dir": f.dir, "fetched" if not f.dry_run else "would_fetch": names}))
-  return 0
-
-
-if __name__ == "__main__":
-  from absl import app
-  from absl import flags
-  flags.DEFINE_integer("shards", 8, "training shards of ClimbMix (the validation shard is added)")
-  flags.DEFINE_string("dir", "~/.cache/bov_jax/climbmix", "where the shards go (a local directory)")
-  flags.DEFINE_bool("dry_run", False, "print what would be fetched, fetch nothing")
-  app.run(lambda argv: sys.exit(main(argv)))
+  corpus.download_command()

@@ -74,9 +74,9 @@ def init_weights(model: GPT, key) -> None:
 def _draw(key, draws):
   """{name: ("normal" or "uniform", shape, a, b)} -> {name: float32 array}: std a * N(0, 1),
   or U(a, b), each from fold_in(key, crc32(name)). Tensors of one distribution and shape
-  are drawn by one vmapped call: the same values as a call each, but XLA compiles one
-  random-bits kernel per shape instead of one per tensor (which made init compile for
-  longer than the train step)."""
+  are drawn by one vmapped call: the same values as a call each, with one random-bits
+  kernel per shape, not one per tensor (init then compiles in less time than the train
+  step)."""
   groups = {}
   for name, (dist, shape, a, b) in draws.items():
     groups.setdefault((dist, tuple(shape)), []).append((name, a, b))

@@ -9,6 +9,7 @@
   metrics.jsonl          one record per logged step (metrics.py)
   events.out.tfevents.*  TensorBoard's event files (named by the writer itself)
   eval.json, core.json   the last --mode=eval result (validation bpb, CORE)
+  profile/               a training run's trace (log.profile_steps; profiler.py)
   log.HOST.txt           a sweep point's console output, per host (sweep.py)
   DONE                   written after the last step: the last record (sweeps and
                          launch/tpu.sh's `watch` skip or stop on it)
@@ -36,6 +37,7 @@ METRICS = "metrics.jsonl"
 EVAL = "eval.json"
 CORE = "core.json"
 DONE = "DONE"
+PROFILE = "profile"
 
 
 class RunDirError(ValueError):
@@ -70,6 +72,10 @@ def metrics(workdir: str) -> epath.Path:
 
 def core(workdir: str) -> epath.Path:
   return path(workdir) / CORE
+
+
+def profile(workdir: str) -> str:
+  return f"{str(path(workdir)).rstrip('/')}/{PROFILE}"
 
 
 def sweep_log(workdir: str, host: str) -> str:

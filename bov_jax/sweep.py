@@ -105,10 +105,10 @@ def commands(sweep: dict, workdir_root: str, extra: list[str]) -> list[Point]:
   return out
 
 
-def run_logged(argv: list[str], workdir: str, every_s: float = 30.0) -> int:
-  """Runs a point, echoing its output and adding it to the point's log (per host) every
-  `every_s` seconds and at the end (a bucket workdir too), so a detached sweep's logs stay
-  with its runs. Returns the exit code."""
+def train_point(argv: list[str], workdir: str, every_s: float = 30.0) -> int:
+  """Trains a point (its command), echoing its output and adding it to the point's log
+  (per host) every `every_s` seconds and at the end (a bucket workdir too), so a detached
+  sweep's logs stay with its runs. Returns the exit code."""
   import socket
   import time
 
@@ -162,7 +162,7 @@ def main(argv) -> int:
       print(f"[sweep] {point.name}: finished, skipping", flush=True)
       continue
     print(f"[sweep] {point.name}: {shlex.join(point.argv)}", flush=True)
-    rc = run_logged([sys.executable] + point.argv[1:], point.workdir)
+    rc = train_point([sys.executable] + point.argv[1:], point.workdir)
     if rc != 0:
       print(f"[sweep] {point.name} failed with exit code {rc}", file=sys.stderr)
       return rc

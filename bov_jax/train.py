@@ -27,6 +27,7 @@ from bov_jax import optim
 from bov_jax import plan
 from bov_jax import preemption as preemption_lib
 from bov_jax import process
+from bov_jax import profiler
 from bov_jax import rundir
 from bov_jax import sharding
 from bov_jax import step as step_lib
@@ -134,6 +135,8 @@ class _Loop:
     self.tput = metrics.Throughput(spec.train.batch_tokens,
                                    plan.flops_per_token(spec.model), peak)
     self.preemption = preemption_lib.Preemption(mesh)
+    self.profiler = profiler.Profiler(workdir, spec.log.profile_start_step,
+                                      spec.log.profile_steps)
     self.stop_agreed = False  # a preemption flag read (agreed by every process)
     self.stopping = False     # stop after this step: decided once per step, before its actions
     self.pending = None    # the dispatched step whose outputs are read one step late
@@ -147,6 +150,7 @@ class _Loop:
     """What runs after each step, in this order."""
     t, e, s = self.spec.train, self.spec.eval, Schedule(self.n)
     s.add("preemption", self._check_preemption, every=1)  # no setting: after every step
+    s.add("profile", self._profile, at_end=False, also=self.profiler.due)
     s.add("prefetch", self._prefetch, at_end=False, also=self._prefetch_due)
     s.add("evaluate", self._evaluate, every=t.eval_every)
     if e.core_bundle and e.core_every > 0:
@@ -168,6 +172,8 @@ class _Loop:
     self.t_compile = time.perf_counter()
     self.batch = self._load()
     self.train_step = self._compile(self.batch[0])
+    if self.profiler.due(self.step):  # a trace that starts with this run's first step
+      self._profile(self.step)
     while self.step < self.n:
       self._dispatch()
       self.schedule.run(self.step)
@@ -262,6 +268,9 @@ class _Loop:
     reads (a record's) count from the next step, so every action of a step sees one answer."""
     self.stopping = self.stop_agreed or self.preemption.maintenance(step)
 
+  def _profile(self, step: int) -> None:
+    self.profiler.after(step, sync=lambda: jax.block_until_ready(self.params))
+
   def _prefetch_due(self, step: int) -> bool:
     """The next batch loads while the device runs this step, except before a checkpoint:
     the data-iterator state it saves must be the one right after this step."""
@@ -330,6 +339,7 @@ class _Loop:
   # -- the end --------------------------------------------------------------------------
 
   def _close(self) -> None:
+    self.profiler.close(sync=lambda: jax.block_until_ready(self.params))
     if self.ckpts is not None:
       self.ckpts.close()  # waits for the last save to be on disk
     self.writer.close()

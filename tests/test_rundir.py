@@ -115,3 +115,9 @@ def test_a_batch_that_does_not_divide_leaves_nothing_behind(tmp_path):
                          "--mode=plan", "--config.train.batch_tokens=1000"],
                         capture_output=True, text=True, cwd=ROOT)
   assert plan.returncode == 2 and "train.batch_tokens=1000" in plan.stderr, plan.stderr
+
+
+def test_launch_script_names_done_as_rundir_does():
+  import re
+  script = open(os.path.join(ROOT, "launch", "tpu.sh")).read()
+  assert re.search(r"^DONE=(\S+)", script, re.M).group(1) == rundir.DONE

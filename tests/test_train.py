@@ -245,3 +245,16 @@ def test_config_and_workdir_errors_are_named(tmp_path):
     out = _main(f, fast=fast)
     assert out.returncode == 2 and "is a file; expected a directory" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_profile_steps_leave_a_trace_tensorboard_reads(tmp_path):
+  """log.profile_steps: two steps traced after the compiled first one, into
+  WORKDIR/profile/ (TensorBoard's profile plugin reads plugins/profile/*/*.xplane.pb)."""
+  wd = tmp_path / "prof"
+  out = _main(str(wd), "--config.train.num_iterations=4", "--config.log.profile_steps=2",
+              "--config.log.profile_start_step=2", "--config.train.sample_tokens=0")
+  assert out.returncode == 0, out.stderr[-2000:]
+  traces = list((wd / "profile").rglob("*.xplane.pb"))
+  assert traces and traces[0].parent.parent.name == "profile", traces
+  assert traces[0].stat().st_size > 0
