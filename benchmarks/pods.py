@@ -9,9 +9,10 @@ collectives from its HLO, each counted as often as one step runs it (while-loop 
 counts applied, `benchmarks.dots.hlo_runs`): the bytes each chip all-gathers (an
 all-gather's result), reduce-scatters and all-reduces (their operand), sends through
 all-to-alls and collective permutes (the TPU compiler turns many gathers and scatters
-into rings of permutes). Beside them, what FSDP needs at the least: each step gathers
-every block weight once for the forward and once for the backward (per micro-batch)
-and reduce-scatters every gradient once, in the compute dtype. One record per run.
+into rings of permutes). Beside them, what the step needs at the least (`floor`): with
+FSDP, every block weight gathered for the forward and for the backward (per micro-batch)
+and every gradient reduce-scattered once; over data replicas, the gradients all-reduced
+once. One record per run.
 """
 
 from __future__ import annotations
@@ -71,23 +72,29 @@ def collectives(hlo_text: str) -> dict:
   return dict(out)
 
 
-def fsdp_floor(spec, report) -> dict:
-  """What FSDP moves per chip at the least in one step: every block and head weight
-  gathered for the forward and again for the backward per micro-batch, every gradient
-  reduce-scattered once (value tables excluded: they are never gathered)."""
+def floor(spec, report) -> dict:
+  """What one step must move at the least, counted as `collectives` counts (an
+  all-gather's result, the others' operand, per chip): with FSDP every block and head
+  weight gathered whole for the forward and again for the backward of each micro-batch
+  (in the compute dtype) and every gradient reduce-scattered once (value tables excluded:
+  they are never gathered); over data-parallel replicas, each chip's share of the
+  gradients (tables included, stored dtypes) all-reduced once."""
   from flax import nnx
 
   from bov_jax import model as model_lib
-  fsdp = report["mesh"]["fsdp"]
-  if fsdp == 1:
-    return {"all_gather": 0, "reduce_scatter": 0}
-  state = nnx.state(model_lib.abstract(spec.model))
-  weights = sum(math.prod(v.shape) for path, v in nnx.to_flat_state(state)
-                if str(path[0]) != "tables")
+  fsdp, data = report["mesh"]["fsdp"], report["mesh"]["data"]
+  flat = [(str(path[0]), v) for path, v in nnx.to_flat_state(nnx.state(model_lib.abstract(
+      spec.model)))]
+  weights = sum(math.prod(v.shape) for top, v in flat if top != "tables")
+  stored = sum(math.prod(v.shape) * v.dtype.itemsize for _, v in flat)
   dt = 2 if spec.model.dtype == "bfloat16" else 4
   accum = report["spec"].get("accum", 1)
-  return {"all_gather": 2 * accum * weights * dt * (fsdp - 1) // fsdp,
-          "reduce_scatter": weights * 4 * (fsdp - 1) // fsdp}
+  out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+  if fsdp > 1:
+    out.update(all_gather=2 * accum * weights * dt, reduce_scatter=weights * 4)
+  if data > 1:
+    out["all_reduce"] = stored // fsdp
+  return out
 
 
 def run_one(name: str, topology: str) -> dict:
@@ -117,7 +124,7 @@ def run_one(name: str, topology: str) -> dict:
       f.write(kept["train_step"])
   if "train_step" in kept:
     record["train_step"]["collectives"] = collectives(kept["train_step"])
-    record["train_step"]["fsdp_floor"] = fsdp_floor(spec, report)
+    record["train_step"]["floor"] = floor(spec, report)
   return record
 
 

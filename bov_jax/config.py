@@ -141,7 +141,7 @@ def base_config() -> ml_collections.ConfigDict:
   lg.tensorboard = True       # TensorBoard event files in the run directory
   lg.wandb_project = ""       # Weights & Biases project ("" = off; needs `pip install wandb`)
   lg.wandb_entity = ""
-  lg.profile_steps = 0        # steps traced with jax.profiler into DIR/profile/ (0 = off)
+  lg.profile_steps = 0        # steps traced into DIR/profile/ (profiler.py; 0 = off)
   lg.profile_start_step = 2   # the first one traced (the first step a run takes compiles)
 
   c.mesh = ms = ml_collections.ConfigDict()

@@ -40,7 +40,7 @@ PROVISIONING="${PROVISIONING:-spot}"
 REMOTE_DIR="${REMOTE_DIR:-bov_jax}"
 POLL_SECONDS="${POLL_SECONDS:-60}"
 PREEMPTED_EXIT=75  # bov_jax.train.PREEMPTED_EXIT
-DONE=DONE          # bov_jax.rundir.DONE: the file a finished run leaves in its WORKDIR
+DONE_FILE=DONE     # bov_jax.rundir.DONE: the file a finished run leaves in its WORKDIR
 PY="${PYTHON:-python3}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
@@ -182,8 +182,8 @@ run_exit_code() {  # sets ANSWER: worker 0's exit code of the run, empty while i
     --zone="$ZONE" --worker=0 --command="cat ~/bov_jax_exit_code 2>/dev/null"
 }
 
-workdir_done() {  # sets ANSWER to yes when WORKDIR/$DONE exists
-  query DRY_RUN_DONE gcloud storage ls "${WORKDIR%/}/$DONE"
+workdir_done() {  # sets ANSWER to yes when WORKDIR/$DONE_FILE exists
+  query DRY_RUN_DONE gcloud storage ls "${WORKDIR%/}/$DONE_FILE"
   case "$ANSWER" in ""|no) ANSWER=no;; *) ANSWER=yes;; esac
 }
 
@@ -196,7 +196,7 @@ cmd_watch() {
   while true; do
     workdir_done
     if [ "$ANSWER" = yes ]; then
-      say "$WORKDIR/$DONE exists: the run is finished"
+      say "$WORKDIR/$DONE_FILE exists: the run is finished"
       return 0
     fi
     qr_state

@@ -39,11 +39,13 @@ def _assert_matches_xla(impl, q, k, v, window):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=5e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [64, 256])
 def test_splash_equals_xla_forward_and_gradients(window):
   _assert_matches_xla("splash", *_qkv(), window)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T, window, H, K", [
     (256, 256, 2, 2),   # causal only: the last query block skips nothing, the first half
     (512, 100, 4, 2),   # a window inside a block, and blocks the window skips; GQA
@@ -80,6 +82,7 @@ def test_blocks_skip_the_key_blocks_outside_the_window():
   assert flops("blocks", 100) < 0.5 * full
 
 
+@pytest.mark.slow
 def test_splash_runs_per_shard_on_a_mesh():
   """Batch over data x fsdp, kv heads over tensor: same output and gradients."""
   mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
@@ -98,6 +101,7 @@ def test_splash_runs_per_shard_on_a_mesh():
   np.testing.assert_allclose(np.asarray(ggot), np.asarray(gwant), atol=5e-5)
 
 
+@pytest.mark.slow
 def test_model_with_splash_matches_xla_and_short_sequences_fall_back():
   idx = jnp.asarray(np.random.default_rng(0).integers(0, 100, (2, 129)), jnp.int32)
   losses = []
@@ -161,6 +165,7 @@ def test_bad_attention_settings_are_named(settings, message):
     run_spec(small_config(**settings))
 
 
+@pytest.mark.slow
 def test_train_step_with_splash_on_a_mesh_equals_one_device():
   """The whole step (accumulation scan, value tables) with Splash inside: 2x2x2 mesh
   against one device (a kernel cached from one trace must not leak into the next)."""

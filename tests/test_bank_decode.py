@@ -62,6 +62,7 @@ def _gather_then_attend(q, k, ids, table, qpos, window, gamma):
 KERNELS = ["tpu", "gpu"]  # each runs in the Pallas interpreter here
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("window", [10_000, 100, 3])
 def test_fused_step_equals_gather_then_attend(window, kernel):
@@ -181,6 +182,7 @@ def test_auto_takes_the_tpu_kernel_only_where_it_compiles(monkeypatch, caplog):
   bank_decode.compiles.cache_clear()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cores", [1, 2])
 @pytest.mark.parametrize("B, K", [(3, 2), (3, 1)])
 def test_dmas_and_semaphores_as_a_tpu_runs_them(cores, B, K):
@@ -249,6 +251,7 @@ def _bov_config(decode_attention):
   return cfg
 
 
+@pytest.mark.slow
 def test_generation_with_the_kernel_equals_xla():
   """A BoV model (its bank in layer 2, GQA, 8-token sliding windows) decodes the same
   tokens, and each step the same logits, with either path."""
@@ -278,6 +281,7 @@ def test_generation_with_the_kernel_equals_xla():
   np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_generation_on_a_mesh_with_the_kernel_equals_xla():
   """Sample mode's setting: parameters sharded by the rules over a 2x1x4 mesh (the
   tables' vocabulary over tensor), one sequence; the kernel runs per vocab shard

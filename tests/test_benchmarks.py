@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--config=configs/tiny.py", "--config.model.n_layer=3", "--config.model.n_embd=64",
          "--config.model.vocab_size=512", "--config.model.sequence_len=128",
@@ -20,6 +22,7 @@ def _bench(*args):
   return [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow
 def test_bench_decode_lines_and_memory_formula():
   recs = _bench("decode", *SMALL, "--contexts=64,128", "--steps=4", "--batch=2")
   assert len(recs) == 4
@@ -36,6 +39,7 @@ def test_bench_decode_lines_and_memory_formula():
     assert bov["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_bench_train_fields(tmp_path):
   (rec,) = _bench("train", *SMALL, "--steps=2", "--warmup=1", "--config.train.batch_tokens=1024",
                   "--config.train.device_batch_size=8", f"--profile={tmp_path}")
@@ -135,6 +139,7 @@ def test_hlo_dots_counts_each_matmul_by_its_loops():
   assert bench.time_dot(dot, reps=2) > 0
 
 
+@pytest.mark.slow
 def test_bench_dots_finds_the_train_steps_matmuls():
   """`dots` reads the real step: the LM head's three matmuls over all its loss chunks
   come to 3 x 2 x tokens x D x V, and the total record adds up the others."""
@@ -170,3 +175,33 @@ def test_a_dot_timed_alone_is_the_same_contraction_in_its_layouts():
   assert bench.einsum_spec(dot) == "abc,adb->acd"
   np.testing.assert_allclose(np.einsum(bench.einsum_spec(dot), a, b), want, rtol=1e-5)
   assert dot.flops() == 2 * 3 * 4 * 5 * 6
+
+
+def test_collectives_count_loops_the_tpu_compiler_leaves_uncounted():
+  """The TPU compiler prints no known_trip_count: a loop's trips come from its condition
+  (`counter < N`), so a gradient all-reduce inside a 4-trip loop counts 4 times."""
+  from benchmarks import pods
+  hlo = """HloModule m
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]) parameter(0)
+  %c = s32[] constant(4)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %x = f32[8] get-tuple-element(%p), index=1
+  %r = f32[8]{0:T(128)} all-reduce(%x), channel_id=1, to_apply=%add
+  ROOT %t = (s32[], f32[8]) tuple(%i, %r)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8] parameter(0)
+  %g = bf16[2,8]{1,0} all-gather(%a), dimensions={0}
+  %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body
+  ROOT %o = f32[8] get-tuple-element(%w), index=1
+}
+"""
+  assert pods.collectives(hlo) == {"all_reduce": 4 * 8 * 4, "all_gather": 2 * 8 * 2}

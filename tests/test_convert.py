@@ -29,6 +29,7 @@ def test_every_reference_variant_is_a_preset():
   assert set(helpers.REF_VARIANTS) == set(values.PRESETS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True])
 @pytest.mark.parametrize("model_type", sorted(helpers.REF_VARIANTS))
 def test_logits_match_reference_formulas(model_type, scan):
@@ -97,6 +98,7 @@ def test_round_trip_to_reference_names():
     np.testing.assert_array_equal(v, sd[k], err_msg=k)
 
 
+@pytest.mark.slow
 def test_convert_command_writes_a_loadable_checkpoint(tmp_path):
   from bov_jax import checkpoint
   from bov_jax import model as model_lib
@@ -137,6 +139,7 @@ def helpers_root():
   return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_convert_brings_the_reference_tokenizer_and_never_trains_one(tmp_path):
   """--tokenizer copies the authors' tokenizer.pkl into the run directory; a converted run
   without one is refused a freshly trained tokenizer (its weights need their own)."""

@@ -186,6 +186,7 @@ def test_centered_accuracy():
   assert ev.centered(0.3, 0.0) == pytest.approx(0.3)
 
 
+@pytest.mark.slow
 def test_a_prompt_longer_than_the_training_length_is_scored_whole():
   """Positions past model.sequence_len run as the reference runs them: the whole prompt,
   BOS first, no cut; the NLL of each position equals the model's on the unpadded row."""

@@ -32,6 +32,7 @@ SCANNED = ["gpt_base", "gpt_base_v_from_value_emb_learn", "gpt_base_v_from_v1_ev
            "gpt_base_v_from_x0_learn", "gpt_base_v_from_value_emb_learn_shared"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset, scan", [(p, "auto") for p in sorted(values.PRESETS)]
                          + [(p, "true") for p in SCANNED])
 def test_prefill_and_decode_equal_full_forward(preset, scan):
@@ -118,6 +119,7 @@ def test_memory_formula(batch, context):
   assert saved == n_bank * kv_dim * context * bpe * batch - ids
 
 
+@pytest.mark.slow
 def test_ragged_batch_equals_one_by_one():
   m = _model("gpt_base_v_from_value_emb_learn", sequence_len=64, short_window=8)
   graphdef, state = nnx.split(m)
@@ -132,6 +134,7 @@ def test_ragged_batch_equals_one_by_one():
   assert out[1].tolist() == inference.generate_cached(graphdef, params, b, 20, 64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature, top_k", [(0.0, 0), (0.8, 5)])
 def test_cached_equals_uncached_generation(temperature, top_k):
   m = _model("gpt_base_v_from_value_emb_learn", sequence_len=64, short_window=8)
@@ -198,6 +201,7 @@ def test_sampling_follows_the_softmax(temperature, form):
   assert freq[4] == 0
 
 
+@pytest.mark.slow
 def test_tables_in_host_memory_decode_the_same():
   from bov_jax import sharding
   if not sharding.host_memory_supported():
@@ -225,6 +229,7 @@ def test_tables_on_host_refuses_several_devices():
     inference.tables_to_host(None, {"wte": spread})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset, batch", [("gpt_base", 1), ("gpt_base_v_from_value_emb_learn", 1),
                                            ("gpt_base_v_from_v1_learn", 2)])
 def test_decoding_never_copies_the_cache(preset, batch):

@@ -119,6 +119,7 @@ def test_watch_stops_on_a_failed_run():
   assert out.returncode == 2 and "exited with code 1" in out.stderr
 
 
+@pytest.mark.slow
 def test_a_run_that_does_not_fit_stops_before_any_gcloud_command():
   """run compiles the run for ACCELERATOR_TYPE on this host first (--mode=compile): a
   device batch whose eval step overflows a v5e chip's HBM stops it, exit 1, nothing

@@ -21,6 +21,7 @@ def _idx(T=40, B=2, seed=0, V=100):
   return jnp.asarray(np.random.default_rng(seed).integers(0, V, (B, T)), jnp.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["gpt_base", "gpt_base_v_from_value_emb_learn",
                                     "gpt_base_add_init_v_learn", "gpt_base_v_from_x0",
                                     "gpt_base_add_init_value_emb_nanogpt"])
@@ -164,6 +165,7 @@ def test_parameter_sets_per_preset():
   assert "blocks/5/attn/coeffs/gamma" in scale and "blocks/5/attn/wv" in scale
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ALL_PRESETS)
 def test_every_mode_runs_forward_and_backward(preset):
   # W_o = 0 at init would zero every value gradient, hence random weights;
@@ -194,6 +196,7 @@ def test_loss_ignores_minus_one_targets():
   np.testing.assert_allclose(float(m.loss(idx, tgt)), float(nll[:, :8].mean()), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_bf16_compute_keeps_fp32_master_weights():
   """Matrices stay float32 under bfloat16 compute; the token embedding and the value
   tables are stored as the reference stores them (bfloat16: model.embedding_dtype=auto),
@@ -212,6 +215,7 @@ def test_bf16_compute_keeps_fp32_master_weights():
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref(_idx())), atol=5e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["gpt_base", "gpt_base_v_from_value_emb_learn",
                                     "gpt_base_v_from_v1_learn"])
 def test_remat_policies_recompute_and_keep_gradients(preset):

@@ -299,6 +299,7 @@ def test_full_optimizer_matches_numpy_per_group():
       np.testing.assert_allclose(np.asarray(got), want, rtol=3e-4, atol=3e-6, err_msg=lab)
 
 
+@pytest.mark.slow
 def test_batched_polar_express_equals_one_at_a_time():
   rng = np.random.default_rng(5)
   ps = {k: jnp.asarray(rng.standard_normal(s), jnp.float32)

@@ -18,6 +18,7 @@ def _plan_cli(config, *overrides):
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config, params, fpt, iters, tokens_per_step", [
     ("configs/baseline_135m.py", 135.3e6, 7.5969e8, 3766, 524288),
     ("configs/bov_135m.py", None, 7.4554e8, 3838, 524288),
@@ -74,6 +75,7 @@ def test_scaling_params_is_dense_layout():
       12, "gpt_base_v_from_value_emb_learn"))) == 110100480
 
 
+@pytest.mark.slow
 def test_a_paper_config_without_its_corpus_is_named(tmp_path):
   """The paper configs read ClimbMix; where it is missing, the run stops before building
   anything, naming data.corpus and the command that fetches it. --mode=plan needs no data."""

@@ -102,6 +102,7 @@ def test_no_other_module_spells_a_run_directory_name():
   assert files == {"bov_jax/rundir.py"}, out.stdout
 
 
+@pytest.mark.slow
 def test_a_batch_that_does_not_divide_leaves_nothing_behind(tmp_path):
   """The whole config, batch layout included, is checked before the run directory is
   touched: no config.json, tokenizer or checkpoints/ are left by a refused run."""
@@ -120,4 +121,4 @@ def test_a_batch_that_does_not_divide_leaves_nothing_behind(tmp_path):
 def test_launch_script_names_done_as_rundir_does():
   import re
   script = open(os.path.join(ROOT, "launch", "tpu.sh")).read()
-  assert re.search(r"^DONE=(\S+)", script, re.M).group(1) == rundir.DONE
+  assert re.search(r"^DONE_FILE=(\S+)", script, re.M).group(1) == rundir.DONE

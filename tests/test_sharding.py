@@ -94,6 +94,7 @@ def sgd_step_on_mesh_and_one_device(cfg, idx, shape):
   return (ref_params, ref_out), (new_params, out), p8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape, scan", [((2, 2, 2), "true"), ((1, 8, 1), "true"),
                                          ((1, 2, 4), "true"), ((1, 8, 1), "false")])
 def test_sharded_step_equals_unsharded(shape, scan):
@@ -113,6 +114,7 @@ def test_sharded_step_equals_unsharded(shape, scan):
   assert np.abs(g).max() > 0  # the table gradient was part of the comparison
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(2, 2, 2), (1, 8, 1), (1, 1, 8)])
 def test_each_table_shard_is_one_nth(shape):
   mesh = _mesh(*shape)
@@ -156,6 +158,7 @@ def _compiled_step_hlo(shape, impl):
     return f.lower(params, tx.init(params), x, x).compile().as_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(2, 2, 2), (1, 8, 1)])
 def test_step_never_all_gathers_a_value_table(shape):
   """Tables are [2048, 16] (kv_dim 16); no other parameter has that second dim."""
@@ -190,6 +193,7 @@ def test_plan_reports_bytes_per_device():
   assert a["optimizer_bytes_per_device"] > a["param_bytes_per_device"]  # moments + Muon buffers
 
 
+@pytest.mark.slow
 def test_mesh_training_matches_one_device_and_reshards_on_resume(tmp_path):
   """tiny on data=2 x fsdp=2 x tensor=2 (8 simulated devices) == one device at step 6;
   the same workdir then resumes on data=8 (a different mesh) and reaches step 9."""

@@ -39,6 +39,7 @@ def test_appending_to_a_bucket_file(gcs):
   assert fs.ls("gs://bov/append") == ["bov/append/metrics.jsonl"]  # no part left behind
 
 
+@pytest.mark.slow
 def test_a_tiny_run_lives_in_the_bucket(gcs, tmp_path):
   env = dict(os.environ, **gcs, XLA_FLAGS="--xla_force_host_platform_device_count=1",
              PYTHONUNBUFFERED="1")

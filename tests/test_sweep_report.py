@@ -73,6 +73,7 @@ def test_cache_memory_formula():
   assert report.cache_saved_bytes(4, 768, 32768, [2048], 2)[0] < 0  # short contexts: no win
 
 
+@pytest.mark.slow
 def test_report_on_two_runs(tmp_path):
   """Two short tiny runs (baseline and BoV) -> PNGs and a Markdown table."""
   common = ["--config=configs/tiny.py", *TINY_RUN, "--config.train.num_iterations=6",

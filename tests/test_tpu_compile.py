@@ -60,6 +60,7 @@ def test_topologies_are_gcloud_names():
   assert chip.hbm_bytes == int(15.75 * aot.GiB)
 
 
+@pytest.mark.slow
 def test_train_step_compiles_with_splash_for_a_tpu():
   """The train step, as step.build makes it, over a v5e-4 split data x fsdp: Splash
   attention (its forward and backward kernels) compiled by Mosaic; the memory figures
@@ -77,6 +78,7 @@ def test_train_step_compiles_with_splash_for_a_tpu():
   assert fig["compile_s"] > 0
 
 
+@pytest.mark.slow
 def test_a_data_parallel_step_gathers_nothing():
   """Split over data alone, a train step only all-reduces gradients: the cross-entropy's
   chunks run along positions, so no device gathers the batch's hidden states (a scan
@@ -91,6 +93,7 @@ def test_a_data_parallel_step_gathers_nothing():
   assert "all-reduce" in kinds and "all-gather" not in kinds, sorted(set(kinds))
 
 
+@pytest.mark.slow
 def test_decode_programs_compile_with_the_bank_kernel():
   """Decoding on a v5e-4 (batch over data, tables whole): the bank-decode kernel is
   chosen because it compiles for the target (Mosaic, `bank_decode.resolve`), and the
@@ -113,6 +116,7 @@ def _main(*args, timeout=600):
                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_a_program_that_cannot_fit_exits_1_naming_it():
   """A device batch of 8,192 rows of 256 tokens on each v5e chip: the eval step's
   activations overflow 16 GB; the line names the program, its peak or overflow, HBM
@@ -128,6 +132,7 @@ def test_a_program_that_cannot_fit_exits_1_naming_it():
   assert report["chips"] == 4 and report["spec"]["attention"] == "splash"
 
 
+@pytest.mark.slow
 def test_bad_topology_and_programs_exit_2():
   out = _main("--config=configs/tiny.py", "--topology=v5p-63")
   assert out.returncode == 2 and "known:" in out.stderr and "v5p-64" in out.stderr

@@ -68,6 +68,7 @@ def test_bits_per_byte_by_hand():
                                                             rel=1e-5)
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_is_exact(tmp_path):
   full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
   args = ["--config.train.num_iterations=40", "--config.train.checkpoint_every=10",
@@ -137,6 +138,7 @@ def test_resume_after_sigkill_is_exact(tmp_path):
   assert len(toks[0]) == 48 and toks[0] == toks[1]
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_falls_back_to_previous(tmp_path):
   wd = str(tmp_path / "run")
   out = _main(wd, "--config.train.num_iterations=20", "--config.train.checkpoint_every=10",
@@ -162,6 +164,7 @@ def test_corrupt_checkpoint_falls_back_to_previous(tmp_path):
   assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_compile_cache_dir_keeps_the_compiled_step(tmp_path):
   """train.compile_cache_dir turns JAX's persistent cache on (where the environment does not
   name one), so a restart of the same run loads its step instead of compiling it."""
@@ -193,6 +196,7 @@ def test_unusable_compile_cache_dir_is_named_and_skipped(monkeypatch, capsys, tm
     jax.config.update("jax_compilation_cache_dir", session_cache)
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_step_and_checkpoint(tmp_path):
   out = _main(str(tmp_path / "nan"), "--config.train.num_iterations=30",
               "--config.train.checkpoint_every=1", "--config.optim.embedding_lr=1e30",
