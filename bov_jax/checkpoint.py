@@ -69,16 +69,20 @@ class Checkpoints:
       items["data"] = grain.checkpoint.CheckpointSave(data_iter)
     return self.mgr.save(step, args=ocp.args.Composite(**items), force=force)
 
-  def restore(self, params, opt_state=None, data_iter=None, log=print) -> Restored | None:
-    """The newest readable checkpoint, or None when there is none. `params` and
-    `opt_state` give the shapes and shardings to restore into (arrays or abstract);
+  def restore(self, params, opt_state=None, data_iter=None, log=print,
+              only: int | None = None) -> Restored | None:
+    """The newest readable checkpoint (or exactly step `only`), or None when there is none.
+    `params` and `opt_state` give the shapes and shardings to restore into (arrays or abstract);
     `data_iter` is restored in place where the checkpoint holds its state for this
     process count (`data_restored`; a run resumed on another number of processes starts
     its data afresh)."""
     items = {"params": ocp.args.StandardRestore(_abstract(params))}
     if opt_state is not None:
       items["opt"] = ocp.args.StandardRestore(_abstract(opt_state))
-    for step in reversed(self.all_steps()):
+    if only is not None and only not in self.all_steps():
+      raise FileNotFoundError(f"no checkpoint {only} under {rundir.checkpoints(self.workdir)} "
+                              f"(steps {self.all_steps()})")
+    for step in [only] if only is not None else reversed(self.all_steps()):
       try:
         out = self.mgr.restore(step, args=ocp.args.Composite(**items))
       except Exception as e:  # noqa: BLE001 - any unreadable step: fall back, loudly

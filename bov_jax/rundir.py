@@ -39,6 +39,15 @@ CORE = "core.json"
 DONE = "DONE"
 PROFILE = "profile"
 
+# An exported folder (export.py), as the Hugging Face hub holds a model. Its config.json
+# is the model's (Hugging Face style); the run's whole config is run_config.json.
+EXPORT_WEIGHTS = "model.safetensors"
+EXPORT_SHARD = "model-{:05d}-of-{:05d}.safetensors"
+EXPORT_INDEX = "model.safetensors.index.json"
+EXPORT_CONFIG = CONFIG
+RUN_CONFIG = "run_config.json"
+MODEL_CARD = "README.md"
+
 
 class RunDirError(ValueError):
   """A workdir that cannot hold, or resume, the requested run."""

@@ -1,0 +1,91 @@
+"""export.py: a run's weights as a Hugging Face style folder, and back, bit for bit."""
+import json
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from bov_jax import checkpoint
+from bov_jax import export
+from bov_jax import rundir
+from bov_jax import tokenizer as tok_lib
+from tests.helpers import random_model
+from tests.helpers import small_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _params():
+  rng = np.random.default_rng(0)
+  return {"wte": rng.standard_normal((10, 4)).astype(ml_dtypes.bfloat16),
+          "blocks": {0: {"attn": {"wq": rng.standard_normal((4, 4)).astype(np.float32)}},
+                     1: {"attn": {"wq": rng.standard_normal((4, 4)).astype(np.float32)}}},
+          "tables": {"layer_1": rng.standard_normal((10, 4)).astype(ml_dtypes.bfloat16)}}
+
+
+def _equal_bits(a: dict, b: dict):
+  fa, fb = export.tensor_names(a), export.tensor_names(b)
+  assert sorted(fa) == sorted(fb)
+  for k in fa:
+    x, y = np.asarray(fa[k]), np.asarray(fb[k])
+    assert x.dtype == y.dtype and x.shape == y.shape, k
+    assert x.tobytes() == y.tobytes(), k
+
+
+def test_weights_round_trip_bit_for_bit_in_one_file_and_in_shards(tmp_path):
+  params = _params()
+  (one,) = export.write_weights(str(tmp_path / "one"), params)
+  assert one.endswith(rundir.EXPORT_WEIGHTS)
+  _equal_bits(export.read_weights(str(tmp_path / "one")), params)
+  files = export.write_weights(str(tmp_path / "many"), params, max_shard_bytes=100)
+  assert len(files) > 1 and files[0].endswith("model-00001-of-0000%d.safetensors" % len(files))
+  index = json.loads((tmp_path / "many" / rundir.EXPORT_INDEX).read_text())
+  assert set(index["weight_map"]) == set(export.tensor_names(params))
+  _equal_bits(export.read_weights(str(tmp_path / "many")), params)
+
+
+def test_the_safetensors_library_reads_the_files(tmp_path):
+  safetensors = pytest.importorskip("safetensors")
+  params = _params()
+  export.write_weights(str(tmp_path), params)
+  with safetensors.safe_open(str(tmp_path / rundir.EXPORT_WEIGHTS), framework="flax") as f:
+    assert sorted(f.keys()) == sorted(export.tensor_names(params))
+    got = np.asarray(f.get_tensor("blocks.1.attn.wq"))
+    np.testing.assert_array_equal(got, params["blocks"][1]["attn"]["wq"])
+    assert str(f.get_tensor("wte").dtype) == "bfloat16"
+
+
+def test_dtype_casts_floating_tensors(tmp_path):
+  export.write_weights(str(tmp_path), _params(), dtype="bfloat16")
+  back = export.tensor_names(export.read_weights(str(tmp_path)))
+  assert {str(v.dtype) for v in back.values()} == {"bfloat16"}
+
+
+def test_export_command_writes_the_folder(tmp_path):
+  """A run directory's checkpoint exported: the weights equal the checkpoint's bit for
+  bit, config.json names the value mode and its layers, run_config.json is the run's."""
+  cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=300)
+  wd = str(tmp_path / "run")
+  params = nnx.to_pure_dict(nnx.state(random_model(cfg)))
+  checkpoint.save_params(wd, cfg, params, step=7)
+  from bov_jax import corpus
+  texts = tok_lib.training_texts(corpus.embedded_documents()[:400], 300_000)
+  tok_lib.train(texts, 300).save(rundir.tokenizer(wd))
+  out = subprocess.run([sys.executable, "-m", "bov_jax.export", f"--workdir={wd}",
+                        f"--out={tmp_path / 'hf'}"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  assert result["step"] == 7
+  _equal_bits(export.read_weights(str(tmp_path / "hf")), params)
+  hf = json.loads((tmp_path / "hf" / rundir.EXPORT_CONFIG).read_text())
+  assert hf["model_type"] == "bov_gpt" and hf["num_hidden_layers"] == cfg.model.n_layer
+  assert hf["value_mode"]["source"] == "table" and hf["value_layers"] == [4, 5]
+  run_cfg = json.loads((tmp_path / "hf" / rundir.RUN_CONFIG).read_text())
+  assert run_cfg["model"]["n_layer"] == cfg.model.n_layer
+  assert tok_lib.load(str(tmp_path / "hf")).vocab_size == 300
+  assert "source table" in (tmp_path / "hf" / rundir.MODEL_CARD).read_text()
