@@ -162,7 +162,7 @@ def read_weights(folder: str) -> dict:
   return _nest(flat)
 
 
-def hf_config(spec, dtype: str) -> dict:
+def hf_config(spec, dtype: str, step: int) -> dict:
   """config.json in the Hugging Face style, from the resolved model spec."""
   m, mode = spec.model, spec.model.value
   return {"architectures": ["BovGPTForCausalLM"], "model_type": "bov_gpt",
@@ -173,7 +173,7 @@ def hf_config(spec, dtype: str) -> dict:
           "value_mode": {"preset": mode.preset, "source": mode.source,
                          "combine": mode.combine, "coeff": mode.coeff,
                          "layers": mode.layers, "shared_table": mode.shared_table},
-          "value_layers": list(m.target_layers), "torch_dtype": dtype,
+          "value_layers": list(m.target_layers), "torch_dtype": dtype, "step": step,
           "bov_jax_version": _version()}
 
 
@@ -235,7 +235,8 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str | None = 
   files = write_weights(out, restored.params, dtype, max_shard_bytes, fetch)
   root = epath.Path(out)
   stored = str(np.dtype(leaves["lm_head"].dtype))
-  (root / rundir.EXPORT_CONFIG).write_text(json.dumps(hf_config(spec, dtype or stored), indent=2))
+  hf = hf_config(spec, dtype or stored, int(restored.step))
+  (root / rundir.EXPORT_CONFIG).write_text(json.dumps(hf, indent=2))
   (root / rundir.RUN_CONFIG).write_text(cfg.to_json(indent=2))
   tok_lib.load(rundir.tokenizer(workdir)).save(str(root))
   records = ([json.loads(line) for line in rundir.metrics(workdir).read_text().splitlines()

@@ -11,6 +11,8 @@ import json
 import sys
 
 import jax
+import numpy as np
+from etils import epath
 from flax import nnx
 
 from bov_jax import bpb
@@ -65,8 +67,15 @@ def evaluate_or_sample(mode: str, spec, cfg, workdir: str) -> int:
 
 
 def restore(spec, workdir: str, mesh):
-  """(step, graphdef, params) of WORKDIR's newest readable checkpoint, sharded on the mesh."""
-  graphdef, abstract, _ = step_lib.abstract_params(spec, mesh)
+  """(step, graphdef, params) of WORKDIR's newest readable checkpoint, sharded on the mesh;
+  or of an exported folder's weights (export.py)."""
+  graphdef, abstract, shardings = step_lib.abstract_params(spec, mesh)
+  if rundir.is_export(workdir):
+    from bov_jax import export
+    params = export.read_weights(workdir)
+    step = json.loads((epath.Path(workdir) / rundir.EXPORT_CONFIG).read_text()).get("step", 0)
+    return step, graphdef, jax.tree.map(
+        lambda a, x, s: jax.device_put(np.asarray(x, a.dtype), s), abstract, params, shardings)
   restored = ckpt_lib.Checkpoints(workdir, async_save=False).restore(abstract, log=log)
   if restored is None:
     raise FileNotFoundError(f"no checkpoint under {rundir.checkpoints(workdir)}")

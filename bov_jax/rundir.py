@@ -71,8 +71,14 @@ def checkpoint_data(workdir: str, step: int, process: int, processes: int) -> ep
           / f"process_{process}-of-{processes}.json")
 
 
+def is_export(workdir: str) -> bool:
+  """An exported folder (export.py), read by the modes as they read a run directory."""
+  return (epath.Path(workdir) / RUN_CONFIG).exists()
+
+
 def tokenizer(workdir: str) -> str:
-  return f"{workdir.rstrip('/')}/{TOKENIZER}"
+  """The run's tokenizer directory (an exported folder holds its files at the top)."""
+  return workdir.rstrip("/") if is_export(workdir) else f"{workdir.rstrip('/')}/{TOKENIZER}"
 
 
 def metrics(workdir: str) -> epath.Path:
@@ -123,9 +129,10 @@ def clear_done(workdir: str) -> None:
 # -- the config of record ---------------------------------------------------------------
 
 def read_config(workdir: str) -> ml_collections.ConfigDict | None:
-  """The workdir's config.json over the schema's defaults (so a config written before
-  a setting existed still reads), or None when there is none."""
-  p = path(workdir) / CONFIG
+  """The workdir's config.json (an exported folder's run_config.json) over the schema's
+  defaults (so a config written before a setting existed still reads), or None when
+  there is none."""
+  p = path(workdir) / (RUN_CONFIG if is_export(workdir) else CONFIG)
   if not p.exists():
     return None
   cfg = config_lib.base_config()

@@ -65,9 +65,11 @@ def test_dtype_casts_floating_tensors(tmp_path):
   assert {str(v.dtype) for v in back.values()} == {"bfloat16"}
 
 
-def test_export_command_writes_the_folder(tmp_path):
+@pytest.mark.slow
+def test_export_command_writes_the_folder_and_the_modes_read_it(tmp_path):
   """A run directory's checkpoint exported: the weights equal the checkpoint's bit for
-  bit, config.json names the value mode and its layers, run_config.json is the run's."""
+  bit, config.json names the value mode and its layers, run_config.json is the run's;
+  --mode=sample on the folder continues a prompt as on the run directory."""
   cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=300)
   wd = str(tmp_path / "run")
   params = nnx.to_pure_dict(nnx.state(random_model(cfg)))
@@ -89,3 +91,13 @@ def test_export_command_writes_the_folder(tmp_path):
   assert run_cfg["model"]["n_layer"] == cfg.model.n_layer
   assert tok_lib.load(str(tmp_path / "hf")).vocab_size == 300
   assert "source table" in (tmp_path / "hf" / rundir.MODEL_CARD).read_text()
+  # the modes read the folder as they read the run directory: the same greedy sample
+  sample = ["--mode=sample", "--config.sample.max_new_tokens=6", "--config.sample.temperature=0",
+            "--config.sample.prompt=def f"]
+  outs = [subprocess.run([sys.executable, "-m", "bov_jax.main", f"--workdir={d}", *sample],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+          for d in (wd, str(tmp_path / "hf"))]
+  for o in outs:
+    assert o.returncode == 0, o.stderr[-2000:]
+  tokens = [json.loads(o.stdout.strip().splitlines()[-1])["tokens"] for o in outs]
+  assert tokens[0] == tokens[1] and len(tokens[0]) == 6
