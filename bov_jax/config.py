@@ -57,6 +57,8 @@ def base_config() -> ml_collections.ConfigDict:
   m.embedding_dtype = "auto"  # the token embedding and the value tables, with their
                               # gradients and Adam moments: auto (bfloat16 under bfloat16
                               # compute, as the reference stores them; else param_dtype)
+  m.init_from = ""            # an exported folder (bov_jax.export) whose weights a new run
+                              # starts from (the optimizer starts fresh); "" = initialise
   m.loss_chunk = 0            # rows per cross-entropy chunk (kernels/loss.py); 0: 256 on
                               # CPU (cache-sized chunks), 2048 elsewhere
   m.table_lookup = "auto"     # auto | shard_map | gather | one_hot (sharding.py)

@@ -68,6 +68,7 @@ class ModelSpec:
   # Where the value tables live: host memory for sampling with sample.tables_on_host
   # (inference.tables_to_host sets it); rows are then gathered there.
   tables_on_host: bool = False
+  init_from: str = ""        # an exported folder a new run's weights start from
 
   @property
   def splash_interpret(self) -> bool:
@@ -231,7 +232,8 @@ def _model(m, backend: str) -> ModelSpec:
       attention_block=m.attention_block or 512,
       # XLA's CPU backend: see kernels/matmul.py and kernels/sampling.py
       matmul="cpu" if backend == "cpu" else "plain",
-      sampler="cpu" if backend == "cpu" else "jax")
+      sampler="cpu" if backend == "cpu" else "jax",
+      init_from=m.init_from)
 
 
 def _tristate(value: str, auto: bool) -> bool:

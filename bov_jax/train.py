@@ -94,6 +94,8 @@ def train(spec, workdir: str | None) -> dict:
   if jax.process_count() > 1:
     resuming = bool(multihost_utils.broadcast_one_to_all(np.int32(resuming)))
   setup = step_lib.build(spec, mesh, n, init=not resuming)
+  if spec.model.init_from and not resuming:  # weights from an exported folder
+    setup.params = _weights_from(spec.model.init_from, setup.params)
   with jax.set_mesh(mesh):
     return _Loop(spec, workdir, mesh, setup, tok, splits, n, ckpts).run()
 
@@ -107,6 +109,21 @@ def _open_rundir(spec, workdir: str) -> None:
   if process.is_main():
     rundir.record_config(workdir, spec.config(), delta, log=log)
     rundir.clear_done(workdir)
+
+
+def _weights_from(folder: str, params):
+  """An exported folder's weights (export.py), placed as `params` are; the shapes must
+  be the model's."""
+  from bov_jax import export
+  loaded = export.read_weights(folder)
+  want = export.tensor_names(params)
+  got = export.tensor_names(loaded)
+  bad = sorted(k for k in want if k not in got or got[k].shape != want[k].shape)
+  if bad or len(got) != len(want):
+    raise export.ExportError(f"model.init_from={folder}: its weights do not fit this model "
+                             f"(differ: {bad[:5] or sorted(set(got) - set(want))[:5]})")
+  return jax.tree.map(lambda p, x: jax.device_put(np.asarray(x, p.dtype), p.sharding),
+                      params, loaded)
 
 
 def _resume_seed(seed: int, step: int) -> int:

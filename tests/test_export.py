@@ -101,3 +101,18 @@ def test_export_command_writes_the_folder_and_the_modes_read_it(tmp_path):
     assert o.returncode == 0, o.stderr[-2000:]
   tokens = [json.loads(o.stdout.strip().splitlines()[-1])["tokens"] for o in outs]
   assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+
+
+def test_a_new_run_starts_from_an_exported_folder(tmp_path):
+  """model.init_from: the folder's weights, bit for bit, placed as the run's parameters;
+  a folder of another shape is refused naming the tensors that differ."""
+  import jax
+
+  from bov_jax import train
+  params = jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype), _params())
+  export.write_weights(str(tmp_path / "f"), _params())
+  _equal_bits(train._weights_from(str(tmp_path / "f"), params), _params())
+  other = dict(_params(), wte=np.zeros((11, 4), ml_dtypes.bfloat16))
+  export.write_weights(str(tmp_path / "g"), other)
+  with pytest.raises(export.ExportError, match=r"model\.init_from=.*\['wte'\]"):
+    train._weights_from(str(tmp_path / "g"), params)
