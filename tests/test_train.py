@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -218,9 +219,13 @@ def test_missing_corpus_is_named(tmp_path):
 
 
 def test_sigterm_checkpoints_and_resume_continues(tmp_path):
+  """SIGTERM: a checkpoint, exit 75, and the same command resumes. The run also traces
+  steps 2-3 (log.profile_steps) into WORKDIR/profile/, where TensorBoard's profile plugin
+  reads plugins/profile/*/*.xplane.pb."""
   wd = str(tmp_path / "term")
   args = ["--config.train.num_iterations=12", "--config.train.checkpoint_every=100",
-          "--config.train.eval_every=100", "--config.train.sample_tokens=0"]
+          "--config.train.eval_every=100", "--config.train.sample_tokens=0",
+          "--config.log.profile_steps=2", "--config.log.profile_start_step=2"]
   proc = subprocess.Popen([sys.executable, "-m", "bov_jax.main", f"--workdir={wd}", *FAST, *args],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                           env=_env())
@@ -234,6 +239,9 @@ def test_sigterm_checkpoints_and_resume_continues(tmp_path):
   assert m, rest[-2000:]
   step = int(m[0].split("step ")[1].split(";")[0])
   assert step >= 4 and os.path.isdir(os.path.join(wd, "checkpoints", str(step)))
+  traces = list(pathlib.Path(wd, "profile").rglob("*.xplane.pb"))
+  assert traces and traces[0].parent.parent.name == "profile", traces
+  assert traces[0].stat().st_size > 0
   out = _main(wd, *args)
   assert out.returncode == 0, out.stderr[-2000:]
   assert f"checkpoints/{step}" in out.stdout
@@ -250,15 +258,3 @@ def test_config_and_workdir_errors_are_named(tmp_path):
     assert out.returncode == 2 and "is a file; expected a directory" in out.stderr
     assert "Traceback" not in out.stderr
 
-
-@pytest.mark.slow
-def test_profile_steps_leave_a_trace_tensorboard_reads(tmp_path):
-  """log.profile_steps: two steps traced after the compiled first one, into
-  WORKDIR/profile/ (TensorBoard's profile plugin reads plugins/profile/*/*.xplane.pb)."""
-  wd = tmp_path / "prof"
-  out = _main(str(wd), "--config.train.num_iterations=4", "--config.log.profile_steps=2",
-              "--config.log.profile_start_step=2", "--config.train.sample_tokens=0")
-  assert out.returncode == 0, out.stderr[-2000:]
-  traces = list((wd / "profile").rglob("*.xplane.pb"))
-  assert traces and traces[0].parent.parent.name == "profile", traces
-  assert traces[0].stat().st_size > 0
