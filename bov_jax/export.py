@@ -16,6 +16,8 @@ The folder (names in rundir.py):
                                vocabulary, windows, the value mode and its layers
   run_config.json              the run's whole config (bov_jax reads it back)
   tokenizer.pkl, token_bytes.npy   the authors' tokenizer files, as the run has them
+  tokenizer.json               the same tokenizer in the `tokenizers` library's format
+                               (tokenizers.Tokenizer.from_file encodes as bov_jax does)
   README.md                    a model card: value mode, tokens trained, last metrics
 
 Tensors are fetched and written one at a time, so a sharded run is never gathered whole
@@ -201,8 +203,9 @@ def model_card(spec, metrics: list[dict], step: int) -> str:
            f"- final validation bits per byte: {bpb if bpb is not None else 'not measured'}",
            f"- CORE: {core if core is not None else 'not measured'}", "",
            "Files: `model.safetensors` (or its shards and index), `config.json`, "
-           "`run_config.json` (the run's whole config), `tokenizer.pkl` (the authors' "
-           "tokenizer). Tensor names: bov_jax's docs/design.md.", ""]
+           "`run_config.json` (the run's whole config), `tokenizer.json` (the `tokenizers` "
+           "library's format) and `tokenizer.pkl` (the authors' tiktoken file). "
+           "Tensor names: bov_jax's docs/design.md.", ""]
   return "\n".join(lines)
 
 
@@ -238,7 +241,9 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str | None = 
   hf = hf_config(spec, dtype or stored, int(restored.step))
   (root / rundir.EXPORT_CONFIG).write_text(json.dumps(hf, indent=2))
   (root / rundir.RUN_CONFIG).write_text(cfg.to_json(indent=2))
-  tok_lib.load(rundir.tokenizer(workdir)).save(str(root))
+  tok = tok_lib.load(rundir.tokenizer(workdir))
+  tok.save(str(root))
+  (root / rundir.EXPORT_TOKENIZER).write_text(json.dumps(tok_lib.hf_json(tok)))
   records = ([json.loads(line) for line in rundir.metrics(workdir).read_text().splitlines()
               if line.strip()] if rundir.metrics(workdir).exists() else [])
   (root / rundir.MODEL_CARD).write_text(model_card(spec, records, restored.step))

@@ -46,6 +46,7 @@ EXPORT_SHARD = "model-{:05d}-of-{:05d}.safetensors"
 EXPORT_INDEX = "model.safetensors.index.json"
 EXPORT_CONFIG = CONFIG
 RUN_CONFIG = "run_config.json"
+EXPORT_TOKENIZER = "tokenizer.json"  # the `tokenizers` library's file, beside tokenizer.pkl
 MODEL_CARD = "README.md"
 
 

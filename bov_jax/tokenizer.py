@@ -4,7 +4,8 @@ in nanochat's format (the reference's nanochat/tokenizer.py and scripts/tok_trai
 GPT-4-style split pattern with `\\p{N}{1,2}`; the nine special tokens sit at the top of the
 vocabulary (trained merges first); `<|bos|>` starts every document. Text is encoded with
 `encode_ordinary`, so document text never turns into a special token. A tokenizer is a
-directory holding `tokenizer.pkl` (a pickled tiktoken Encoding) and `token_bytes.npy`.
+directory holding `tokenizer.pkl` (a pickled tiktoken Encoding) and `token_bytes.npy`;
+`hf_json` writes the same tokenizer in the Hugging Face `tokenizers` library's format.
 
   python -m bov_jax.tokenizer train --corpus=PATH --vocab_size=N --max_chars=M \\
       --doc_cap=10000 --out=DIR           (documents in corpus order)
@@ -91,6 +92,76 @@ class Tokenizer:
     buf = io.BytesIO()
     np.save(buf, self.token_bytes())
     (d / "token_bytes.npy").write_bytes(buf.getvalue())
+
+
+# -- the Hugging Face `tokenizers` format ---------------------------------------------
+
+def _byte_chars() -> list[str]:
+  """GPT-2's byte-level alphabet: byte b is written as this printable character in the
+  vocabulary and merges of a `tokenizers` byte-level BPE."""
+  keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+          *range(ord("®"), ord("ÿ") + 1)]
+  extra = iter(range(256, 512))
+  return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+def _merge_of(ranks: dict, token: bytes) -> tuple[bytes, bytes]:
+  """The pair whose merge made `token`: BPE on its bytes with only the merges ranked
+  below it (tiktoken stores ranks, not merges; the rank order is the merge order)."""
+  parts, limit = [bytes([b]) for b in token], ranks[token]
+  while len(parts) > 2:
+    best = min(((ranks.get(a + b, limit), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))))
+    if best[0] >= limit:
+      break
+    i = best[1]
+    parts[i:i + 2] = [parts[i] + parts[i + 1]]
+  if len(parts) != 2:
+    raise TokenizerError(f"token {token!r} (rank {limit}) is not a merge of two lower-ranked "
+                         "tokens: not a BPE vocabulary")
+  return parts[0], parts[1]
+
+
+def hf_json(tok: Tokenizer) -> dict:
+  """The tokenizer as the `tokenizers` library's tokenizer.json: the split pattern, then
+  byte-level BPE over the same ranks (whole pieces found in the vocabulary first, as
+  tiktoken does), the specials as added tokens, <|bos|> in front of every encoding
+  (`add_special_tokens=False` leaves it out, as `encode(bos=False)`). One difference: the
+  library reads a special token's text in the input as that token unless
+  `encode_special_tokens` is set, while bov_jax never does (encode_ordinary)."""
+  enc = tok.enc
+  chars = _byte_chars()
+  ranks = enc._mergeable_ranks  # tiktoken keeps no public accessor for the ranks
+  word = lambda b: "".join(chars[x] for x in b)
+  vocab = {word(t): r for t, r in ranks.items()}
+  merges = [[word(a), word(b)] for a, b in (
+      _merge_of(ranks, t) for t, _ in sorted(ranks.items(), key=lambda kv: kv[1])
+      if len(t) > 1)]
+  specials = sorted(enc._special_tokens.items(), key=lambda kv: kv[1])
+  vocab.update(dict(specials))
+  bos = {"SpecialToken": {"id": BOS, "type_id": 0}}
+  return {
+      "version": "1.0", "truncation": None, "padding": None,
+      "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False,
+                        "rstrip": False, "normalized": False, "special": True}
+                       for s, i in specials],
+      "normalizer": None,
+      "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+          {"type": "Split", "pattern": {"Regex": enc._pat_str}, "behavior": "Isolated",
+           "invert": False},
+          {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+           "use_regex": False}]},
+      "post_processor": {
+          "type": "TemplateProcessing",
+          "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+          "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, bos,
+                   {"Sequence": {"id": "B", "type_id": 1}}],
+          "special_tokens": {BOS: {"id": BOS, "ids": [tok.bos_id], "tokens": [BOS]}}},
+      "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                  "use_regex": False},
+      "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                "vocab": vocab, "merges": merges}}
 
 
 @functools.cache

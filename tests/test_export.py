@@ -89,7 +89,12 @@ def test_export_command_writes_the_folder_and_the_modes_read_it(tmp_path):
   assert hf["value_mode"]["source"] == "table" and hf["value_layers"] == [4, 5]
   run_cfg = json.loads((tmp_path / "hf" / rundir.RUN_CONFIG).read_text())
   assert run_cfg["model"]["n_layer"] == cfg.model.n_layer
-  assert tok_lib.load(str(tmp_path / "hf")).vocab_size == 300
+  tok = tok_lib.load(str(tmp_path / "hf"))
+  assert tok.vocab_size == 300
+  import tokenizers
+  hf_tok = tokenizers.Tokenizer.from_file(str(tmp_path / "hf" / rundir.EXPORT_TOKENIZER))
+  for text in ("def f(x):\n    return x ** 2", "  ünïcode 12345 'll\n\n"):
+    assert hf_tok.encode(text).ids == tok.encode(text)
   assert "source table" in (tmp_path / "hf" / rundir.MODEL_CARD).read_text()
   # the modes read the folder as they read the run directory: the same greedy sample
   sample = ["--mode=sample", "--config.sample.max_new_tokens=6", "--config.sample.temperature=0",

@@ -51,6 +51,30 @@ def test_token_bytes(tok):
   assert tb[tok.encode("hello world", bos=False)].sum() == len("hello world")
 
 
+def test_the_tokenizers_library_encodes_as_bov_jax(tok, docs, tmp_path):
+  """hf_json: tokenizers.Tokenizer.from_file reads it and gives bov_jax's ids (BOS in
+  front, or not) on unseen documents, code, digits, unicode and whitespace runs; decodes
+  back to the text; a special token's text stays text with encode_special_tokens."""
+  import tokenizers  # the dev extra installs it: the file must read in the library itself
+  (tmp_path / "tokenizer.json").write_text(json.dumps(tok_lib.hf_json(tok)))
+  hf = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+  texts = list(corpus.embedded_documents()[3000:3300]) + [
+      "def f(x):\n    return x ** 2  # ünïcode 12345\n", "  lead  \n\n\ttabs 1234567 'll 'S",
+      "😀 emoji 中文 ", "", "a\r\n\r\nb   "]
+  for text in texts:
+    assert hf.encode(text).ids == tok.encode(text), text[:60]
+    assert hf.encode(text, add_special_tokens=False).ids == tok.encode(text, bos=False)
+    assert hf.decode(tok.encode(text, bos=False)) == text
+  assert hf.token_to_id("<|bos|>") == tok.bos_id and hf.get_vocab_size() == tok.vocab_size
+  hf.encode_special_tokens = True
+  assert hf.encode("a <|bos|> b").ids == tok.encode("a <|bos|> b")
+
+
+def test_a_vocabulary_that_is_not_bpe_is_refused():
+  with pytest.raises(tok_lib.TokenizerError, match="not a merge"):
+    tok_lib._merge_of({b"a": 0, b"b": 1, b"abc": 2}, b"abc")
+
+
 def _reference_recipe(texts, vocab_size):
   """The authors' recipe, written out from their tokenizer.py: rustbpe to vocab_size minus
   the nine specials, then a tiktoken Encoding over its ranks with the specials on top."""
