@@ -18,8 +18,8 @@ summed NLL per UTF-8 byte wins. Schema: the shared suffix is the continuation,
 same rule over contexts. LM: correct iff greedy decoding reproduces every
 continuation token. Prompts are never cut: a prompt longer than model.sequence_len
 runs whole, at positions past it, as the reference runs it (its rotary table covers
-ten times the training length, and nothing truncates). Scoring is one jitted function
-over [rows, length] buckets, so it compiles once per bucket, not per item.
+ten times the training length, and nothing truncates). Scoring (`Scorer`) is one jitted
+function over [rows, length] buckets, so it compiles once per bucket, not per item.
 """
 
 from __future__ import annotations
@@ -173,8 +173,8 @@ def spans(task: Task, prompts: list[str], tok) -> Scored:
 
 # -- scoring -------------------------------------------------------------------------
 
-def _bucket(n: int) -> int:
-  """Rows are padded to a power of two (at least 64), so few shapes compile."""
+def bucket(n: int) -> int:
+  """A length padded to a power of two (at least 64), so few shapes compile."""
   b = 64
   while b < n:
     b *= 2
@@ -182,42 +182,54 @@ def _bucket(n: int) -> int:
 
 
 class Scorer:
-  """Per-token NLL and greedy predictions for padded rows, compiled per bucket."""
+  """Per-token NLL and greedy next tokens of token rows. Rows run in batches of up to
+  `batch_rows`, longest first, each padded to a multiple of 4 rows and a `bucket` of
+  positions: one compile per (rows, positions) shape in `shapes`, not per row. CORE and
+  the lm-eval adapter (lm_eval.py) both score through it."""
 
-  def __init__(self, graphdef, params, pad_id: int):
-    self.params, self.pad_id = params, pad_id
+  def __init__(self, graphdef, params, pad_id: int, batch_rows: int = 32):
+    self.params, self.pad_id, self.batch_rows = params, pad_id, batch_rows
+    self.shapes = set()
 
     @jax.jit
-    def score(params, ids):
+    def score(params, ids, targets):
       model = nnx.merge(graphdef, params)
       logits = model(ids)  # [N, L, V] fp32
       logz = jax.nn.logsumexp(logits, axis=-1)
-      tgt = jnp.roll(ids, -1, axis=1)
-      nll = logz - jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]
-      return nll, greedy(logits, model.spec.sampler)  # position i predicts token i+1
+      nll = logz - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+      return nll, greedy(logits, model.spec.sampler)
 
     self.score = score
 
-  def __call__(self, rows: list[list[int]]):
-    L = _bucket(max(len(r) for r in rows))
-    n = len(rows)
-    n_pad = -(-n // 4) * 4  # rows padded to a multiple of 4: few shapes
-    ids = np.full((n_pad, L), self.pad_id, np.int32)
-    for i, r in enumerate(rows):
-      ids[i, :len(r)] = r
-    nll, pred = self.score(self.params, jnp.asarray(ids))
-    return np.asarray(nll)[:n], np.asarray(pred)[:n]
+  def __call__(self, rows: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """For each row r, (nll, pred), both of len(r) - 1: nll[j] = -log p(r[j+1] | r[:j+1])
+    and pred[j] the greedy token after r[:j+1] (position j predicts token j + 1)."""
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
+    out = [None] * len(rows)
+    for k in range(0, len(order), self.batch_rows):
+      batch = order[k:k + self.batch_rows]
+      shape = (-(-len(batch) // 4) * 4, bucket(len(rows[batch[0]]) - 1))
+      self.shapes.add(shape)
+      ids = np.full(shape, self.pad_id, np.int32)
+      targets = np.full(shape, self.pad_id, np.int32)
+      for j, i in enumerate(batch):
+        r = rows[i]
+        ids[j, :len(r) - 1], targets[j, :len(r) - 1] = r[:-1], r[1:]
+      nll, pred = (np.asarray(x) for x in self.score(self.params, ids, targets))
+      for j, i in enumerate(batch):
+        out[i] = (nll[j, :len(rows[i]) - 1], pred[j, :len(rows[i]) - 1])
+    return out
 
 
 def score_item(task: Task, s: Scored, scorer: Scorer, tok, gold) -> bool:
-  nll, pred = scorer(s.tokens)
+  scored = scorer(s.tokens)
   if task.task_type == "language_modeling":
     a, b = s.starts[0], s.ends[0]
-    return bool(np.all(pred[0, a - 1:b - 1] == np.asarray(s.tokens[0][a:b])))
+    return bool(np.all(scored[0][1][a - 1:b - 1] == np.asarray(s.tokens[0][a:b])))
   scores = []
-  for i, (t, a, b) in enumerate(zip(s.tokens, s.starts, s.ends)):
+  for (nll, _), t, a, b in zip(scored, s.tokens, s.starts, s.ends):
     n_bytes = max(1, len(tok.decode(t[a:b]).encode("utf-8")))
-    scores.append(float(np.sum(nll[i, a - 1:b - 1])) / n_bytes)
+    scores.append(float(np.sum(nll[a - 1:b - 1])) / n_bytes)
   return int(np.argmin(scores)) == int(gold)
 
 

@@ -1,9 +1,11 @@
 """Text generation: one prefill pass, then a `lax.fori_loop` of decode steps over the
 cache (kvcache.py), so nothing recompiles per step and nothing returns to the host.
 
-`generate` takes a batch of prompts of different lengths; `generate_cached` one
-prompt; `generate_uncached` recomputes the whole forward pass per token (the slow
-reference path, `sample.use_cache=false`), and the two give the same tokens.
+`generate` takes a batch of prompts of different lengths; `stream` gives the same tokens a
+chunk of decode steps at a time (stop strings are checked between chunks);
+`generate_cached` one prompt; `generate_uncached` recomputes the whole forward pass per
+token (the slow reference path, `sample.use_cache=false`), and the two give the same
+tokens.
 `tables_to_host` keeps the value tables in host memory and moves only the rows a
 step reads (`sample.tables_on_host`).
 """
@@ -81,19 +83,21 @@ def decode_step(model, last_BV, cache, key, temperature: float = 0.0, top_k: int
   return tok, logits[:, 0], cache
 
 
-def decode(model, last_BV, cache, key, n: int, temperature: float = 0.0, top_k: int = 0):
-  """n tokens per sequence, one decode step each inside a fori_loop. Returns
-  ([B, n] ids, cache)."""
+def decode(model, last_BV, cache, key, n: int, temperature: float = 0.0, top_k: int = 0,
+           first: int | jax.Array = 0):
+  """n tokens per sequence, one decode step each inside a fori_loop; the t-th drawn with
+  fold_in(key, first + t), so a generation decoded in chunks (`stream`) draws what one
+  decoded whole draws. Returns ([B, n] ids, the last logits, cache)."""
   out = jnp.zeros((last_BV.shape[0], n), jnp.int32)
 
   def body(t, carry):
     last, cache, out = carry
-    tok, last, cache = decode_step(model, last, cache, jax.random.fold_in(key, t), temperature,
-                                   top_k)
+    tok, last, cache = decode_step(model, last, cache, jax.random.fold_in(key, first + t),
+                                   temperature, top_k)
     return last, cache, out.at[:, t].set(tok)
 
-  _, cache, out = jax.lax.fori_loop(0, n, body, (last_BV, cache, out))
-  return out, cache
+  last, cache, out = jax.lax.fori_loop(0, n, body, (last_BV, cache, out))
+  return out, last, cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "context", "max_new_tokens",
@@ -111,6 +115,34 @@ def generate(graphdef, params, prompts_BP, lengths_B, key, *, context: int,
   last, cache = prefill(model, prompts_BP, lengths_B,
                         min(context, cache_length(P, max_new_tokens)))
   return decode(model, last, cache, key, max_new_tokens, temperature, top_k)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "context"))
+def _prefill(graphdef, params, prompts_BP, lengths_B, *, context: int):
+  return prefill(nnx.merge(graphdef, params), prompts_BP, lengths_B, context)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "n", "temperature", "top_k"),
+                   donate_argnames=("cache",))
+def _decode(graphdef, params, last_BV, cache, key, first, *, n: int, temperature: float,
+            top_k: int):
+  return decode(nnx.merge(graphdef, params), last_BV, cache, key, n, temperature, top_k, first)
+
+
+def stream(graphdef, params, prompts_BP, lengths_B, key, *, context: int, max_new_tokens: int,
+           chunk: int = 32, temperature: float = 0.0, top_k: int = 0):
+  """`generate`'s tokens, `chunk` steps at a time ([B, chunk] numpy arrays, the last one
+  cut to max_new_tokens), so a caller can stop early (a stop string, say) between chunks;
+  two programs (prefill, a chunk of decode steps over the donated cache), whatever the
+  number of chunks."""
+  P = prompts_BP.shape[1]
+  steps = -(-max_new_tokens // chunk) * chunk  # the last chunk runs whole; its tail is dropped
+  last, cache = _prefill(graphdef, params, prompts_BP, lengths_B,
+                         context=min(context, cache_length(P, steps)))
+  for first in range(0, max_new_tokens, chunk):
+    out, last, cache = _decode(graphdef, params, last, cache, key, jnp.int32(first), n=chunk,
+                               temperature=temperature, top_k=top_k)
+    yield np.asarray(out)[:, :max_new_tokens - first]
 
 
 def generate_uncached(graphdef, params, prompt_ids, max_new_tokens: int, context: int,

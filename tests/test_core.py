@@ -143,11 +143,8 @@ def test_byte_normalised_choice():
       self.nll = nll
 
     def __call__(self, rows):
-      L = max(map(len, rows))
-      out = np.zeros((len(rows), L))
-      for i, v in enumerate(self.nll):
-        out[i, :] = v
-      return out, np.zeros((len(rows), L), np.int64)
+      return [(np.full(len(r) - 1, v), np.zeros(len(r) - 1, np.int64))
+              for r, v in zip(rows, self.nll)]
 
   s = ev.spans(MC, ["Q -> aaaa", "Q -> b"], tok)
   # per token nll 1.0 for choice 0 (4 bytes: sum 4 -> 1.0/byte), 1.5 for choice 1 (1 byte)
@@ -165,9 +162,8 @@ def test_lm_exact_match():
       self.seq = seq
 
     def __call__(self, rows):
-      pred = np.zeros((1, len(rows[0])), np.int64)
-      pred[0, :-1] = self.seq[1:]  # position i predicts token i+1
-      return np.zeros_like(pred, float), pred
+      pred = np.asarray(self.seq[1:])  # position i predicts token i+1
+      return [(np.zeros(len(pred)), pred)]
 
   full = tok.encode("ctx ab")
   assert ev.score_item(LM, s, Pred(full), tok, None)
@@ -203,12 +199,13 @@ def test_a_prompt_longer_than_the_training_length_is_scored_whole():
   s = ev.spans(LM, ["ab " * 50, "ab " * 50 + " cd"], tok)  # 150 context tokens > 64
   assert len(s.tokens[0]) > 150 and s.tokens[0][0] == 0
   scorer = ev.Scorer(graphdef, nnx.to_pure_dict(state), pad_id=0)
-  nll, _ = scorer(s.tokens)
-  assert nll.shape[1] == 256  # the bucket holds the whole row
+  ((nll, _),) = scorer(s.tokens)
+  assert scorer.shapes == {(4, 256)}  # the bucket holds the whole row
   row = jnp.asarray([s.tokens[0]], jnp.int32)
   logits = np.asarray(m(row))[0]
   want = jax.nn.logsumexp(logits, axis=-1)[:-1] - logits[np.arange(len(row[0]) - 1), row[0, 1:]]
-  np.testing.assert_allclose(nll[0, :len(row[0]) - 1], np.asarray(want), rtol=1e-4, atol=1e-4)
+  assert nll.shape == (len(row[0]) - 1,)
+  np.testing.assert_allclose(nll, np.asarray(want), rtol=1e-4, atol=1e-4)
 
 
 def test_core_end_to_end_with_a_model(tmp_path):

@@ -134,6 +134,23 @@ def test_ragged_batch_equals_one_by_one():
   assert out[1].tolist() == inference.generate_cached(graphdef, params, b, 20, 64)
 
 
+@pytest.mark.parametrize("temperature, top_k", [(0.0, 0), (0.8, 5)])
+def test_stream_gives_generates_tokens_chunk_by_chunk(temperature, top_k):
+  """stream: the same tokens as generate (greedy and sampled: the keys follow the step,
+  not the chunk), in chunks of 8 with the last cut to max_new_tokens."""
+  m = _model("gpt_base_v_from_value_emb_learn", sequence_len=64, short_window=8)
+  graphdef, state = nnx.split(m)
+  params = nnx.to_pure_dict(state)
+  prompts = np.zeros((2, 11), np.int32)
+  prompts[0, :3], prompts[1] = [5, 17, 3], np.arange(11) + 20
+  args = (graphdef, params, jnp.asarray(prompts), jnp.asarray([3, 11]), jax.random.key(4))
+  kw = dict(context=64, max_new_tokens=20, temperature=temperature, top_k=top_k)
+  whole = np.asarray(inference.generate(*args, **kw))
+  chunks = list(inference.stream(*args, chunk=8, **kw))
+  assert [c.shape for c in chunks] == [(2, 8), (2, 8), (2, 4)]
+  np.testing.assert_array_equal(np.concatenate(chunks, axis=1), whole)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature, top_k", [(0.0, 0), (0.8, 5)])
 def test_cached_equals_uncached_generation(temperature, top_k):
