@@ -9,6 +9,7 @@
   metrics.jsonl          one record per logged step (metrics.py)
   events.out.tfevents.*  TensorBoard's event files (named by the writer itself)
   eval.json, core.json   the last --mode=eval result (validation bpb, CORE)
+  lm_eval.json           the last `python -m bov_jax.lm_eval` result (lm-eval's JSON)
   profile/               a training run's trace (log.profile_steps; profiler.py)
   log.HOST.txt           a sweep point's console output, per host (sweep.py)
   DONE                   written after the last step: the last record (sweeps and
@@ -36,6 +37,7 @@ CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 EVAL = "eval.json"
 CORE = "core.json"
+LM_EVAL = "lm_eval.json"
 DONE = "DONE"
 PROFILE = "profile"
 
