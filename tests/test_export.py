@@ -13,6 +13,7 @@ from bov_jax import checkpoint
 from bov_jax import export
 from bov_jax import rundir
 from bov_jax import tokenizer as tok_lib
+from bov_jax import values
 from tests.helpers import random_model
 from tests.helpers import small_config
 
@@ -57,6 +58,48 @@ def test_the_safetensors_library_reads_the_files(tmp_path):
     got = np.asarray(f.get_tensor("blocks.1.attn.wq"))
     np.testing.assert_array_equal(got, params["blocks"][1]["attn"]["wq"])
     assert str(f.get_tensor("wte").dtype) == "bfloat16"
+
+
+def _documented_names() -> list:
+  """docs/design.md's table of tensor names as regexes: `blocks.<i>.attn.wq`, `wk`
+  (a short name replaces the last part), `<i>` a layer, `<a, b>` one of them."""
+  import re
+  text = open(os.path.join(ROOT, "docs", "design.md")).read()
+  table = text[text.index("| name | shape | what |"):].split("\n\n")[0].splitlines()[2:]
+  patterns = []
+  for row in table:
+    names = re.findall(r"`([^`]+)`", row.split("|")[1])
+    for n in names:
+      short = n != names[0] and "." in names[0] and "." not in n
+      full = names[0].rsplit(".", 1)[0] + "." + n if short else n
+      rx = re.escape(full).replace(re.escape("<i>"), r"\d+")
+      rx = re.sub(r"<([^>]+)>", lambda m: "(" + "|".join(
+          x.strip() for x in m.group(1).split(",")) + ")", rx.replace("\\<", "<").replace(
+          "\\>", ">").replace("\\ ", " "))
+      patterns.append(re.compile(rx + "$"))
+  return patterns
+
+
+@pytest.mark.parametrize("preset", sorted(values.PRESETS))
+def test_every_tensor_is_named_in_the_documented_scheme(tmp_path, preset):
+  """The baseline and every variant, exported, load with safetensors.numpy.load_file;
+  every tensor's name is one of docs/design.md's, and a table source has its tables."""
+  import re
+
+  from safetensors.numpy import load_file
+  cfg = small_config(preset, vocab_size=128)
+  params = nnx.to_pure_dict(nnx.state(random_model(cfg)))
+  export.write_weights(str(tmp_path), params, dtype="float32")
+  loaded = load_file(str(tmp_path / rundir.EXPORT_WEIGHTS))
+  patterns = _documented_names()
+  assert len(patterns) >= 12
+  assert sorted(loaded) == sorted(export.tensor_names(params))
+  for name in loaded:
+    assert any(p.match(name) for p in patterns), f"{name} is not in docs/design.md's table"
+  tables = [n for n in loaded if n.startswith("tables.")]
+  assert bool(tables) == (values.PRESETS[preset]["source"] == "table")
+  assert all(re.fullmatch(r"tables\.(layer_[0-5]|shared)", n) for n in tables)
+  assert loaded["wte"].shape == (128, 64)
 
 
 def test_dtype_casts_floating_tensors(tmp_path):
@@ -106,6 +149,17 @@ def test_export_command_writes_the_folder_and_the_modes_read_it(tmp_path):
     assert o.returncode == 0, o.stderr[-2000:]
   tokens = [json.loads(o.stdout.strip().splitlines()[-1])["tokens"] for o in outs]
   assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+  # and --mode=eval: the folder's validation bpb is the run's (written beside each)
+  one_device = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  outs = [subprocess.run([sys.executable, "-m", "bov_jax.main", f"--workdir={d}", "--mode=eval",
+                          "--config.train.eval_tokens=2048"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300, env=one_device)
+          for d in (wd, str(tmp_path / "hf"))]
+  for o in outs:
+    assert o.returncode == 0, o.stderr[-2000:]
+  bpb = [json.loads(o.stdout.strip().splitlines()[-1])["val_bpb"] for o in outs]
+  assert abs(bpb[0] - bpb[1]) <= 1e-6 and 0 < bpb[0] < 20
+  assert json.loads((tmp_path / "hf" / rundir.EVAL).read_text())["val_bpb"] == bpb[1]
 
 
 def test_a_new_run_starts_from_an_exported_folder(tmp_path):
