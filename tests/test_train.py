@@ -71,14 +71,18 @@ def test_bits_per_byte_by_hand():
 
 @pytest.mark.slow
 def test_resume_after_sigkill_is_exact(tmp_path):
+  """A run killed with SIGKILL and run again ends as the uninterrupted run. The killed run
+  also traces steps 5-6 (log.profile_steps): the trace is there, and every loss before
+  the kill is the untraced run's."""
   full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
   args = ["--config.train.num_iterations=40", "--config.train.checkpoint_every=10",
           "--config.train.eval_every=20", "--config.sample.prompt=import"]
   out = _main(full, *args)
   assert out.returncode == 0, out.stderr[-3000:]
-  # the same command, killed with SIGKILL after step 25, then run again
+  # the same command, traced, killed with SIGKILL after step 25, then run again
+  args_b = [*args, "--config.log.profile_start_step=5", "--config.log.profile_steps=2"]
   proc = subprocess.Popen([sys.executable, "-m", "bov_jax.main", f"--workdir={killed}", *FAST,
-                           *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           *args_b], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           cwd=ROOT, env=_env())
   for line in proc.stdout:
     if line.startswith("step 26/"):
@@ -88,7 +92,11 @@ def test_resume_after_sigkill_is_exact(tmp_path):
   assert proc.returncode == -signal.SIGKILL
   with open(os.path.join(killed, "metrics.jsonl")) as f:
     before = f.read()
-  out = _main(killed, *args)
+  assert list(pathlib.Path(killed, "profile").rglob("*.xplane.pb"))
+  losses = lambda rs: {r["step"]: r["train_loss"] for r in rs if "train_loss" in r}
+  traced, untraced = losses(_metrics(killed)), losses(_metrics(full))
+  assert len(traced) >= 25 and all(traced[k] == untraced[k] for k in traced)
+  out = _main(killed, *args_b)
   assert out.returncode == 0, out.stderr[-3000:]
   resumed = re.search(r"resumed from \S*/checkpoints/(\d+)", out.stdout)
   assert resumed and int(resumed.group(1)) in (10, 20)  # 10 if step 20's async save was cut
