@@ -188,12 +188,14 @@ def _version() -> str:
 
 
 def model_card(spec, metrics: list[dict], step: int) -> str:
-  """README.md: what the model is and how it did, from the run's metrics."""
+  """README.md: what the model is and how it did, from the run's metrics (the Hub reads
+  the front matter's library name and tags)."""
   mode = spec.model.value
   last = metrics[-1] if metrics else {}
   bpb = next((r["val_bpb"] for r in reversed(metrics) if "val_bpb" in r), None)
   core = next((r["core"] for r in reversed(metrics) if "core" in r), None)
-  lines = [f"# bov_jax model: {mode.preset or 'custom value mode'}", "",
+  lines = ["---", "library_name: bov_jax", "tags: [bov_jax, bank-of-values]", "---", "",
+           f"# bov_jax model: {mode.preset or 'custom value mode'}", "",
            "A GPT-style language model trained with bov_jax (Bank of Values), "
            f"{spec.model.n_layer} layers, width {spec.model.n_embd}, vocabulary "
            f"{spec.model.vocab_size}, context {spec.model.sequence_len}.", "",
