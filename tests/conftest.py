@@ -4,7 +4,11 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# LLVM at -O0 for the CPU programs the tests compile (the runs they start too, through
+# helpers.xla_flags): compiling is most of the suite's time, and the tiny models' programs
+# compile in about 60% of the time at -O0 (docs/performance.md).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                      "--xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Every process of this session (the pytest workers, and the runs the tests start:
 # python -m bov_jax.main, sweep, convert) shares one fresh compilation cache, made by the

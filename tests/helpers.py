@@ -2,6 +2,8 @@
 forward pass."""
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,15 @@ from flax import nnx
 from bov_jax import config as config_lib
 from bov_jax import model as model_lib
 from bov_jax import spec as spec_lib
+
+
+def xla_flags(devices: int) -> str:
+  """XLA_FLAGS for a run a test starts: `devices` simulated CPU devices, compiled as the
+  session compiles (conftest's other flags)."""
+  rest = [f for f in os.environ.get("XLA_FLAGS", "").split()
+          if not f.startswith("--xla_force_host_platform_device_count")]
+  return " ".join([f"--xla_force_host_platform_device_count={devices}", *rest])
+
 
 # The shapes of the runs the tests start (python -m bov_jax.main, sweep, the benchmarks),
 # all one tiny model and batch, so the session's compilation cache (conftest) compiles

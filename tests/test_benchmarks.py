@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.helpers import xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--config=configs/tiny.py", "--config.model.n_layer=3", "--config.model.n_embd=64",
          "--config.model.vocab_size=512", "--config.model.sequence_len=128",
@@ -14,7 +16,7 @@ SMALL = ["--config=configs/tiny.py", "--config.model.n_layer=3", "--config.model
 
 
 def _bench(*args):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(1))
   name, *rest = args
   out = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *rest], capture_output=True,
                        text=True, cwd=ROOT, env=env, timeout=600)

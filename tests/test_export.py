@@ -16,6 +16,7 @@ from bov_jax import tokenizer as tok_lib
 from bov_jax import values
 from tests.helpers import random_model
 from tests.helpers import small_config
+from tests.helpers import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -150,7 +151,7 @@ def test_export_command_writes_the_folder_and_the_modes_read_it(tmp_path):
   tokens = [json.loads(o.stdout.strip().splitlines()[-1])["tokens"] for o in outs]
   assert tokens[0] == tokens[1] and len(tokens[0]) == 6
   # and --mode=eval: the folder's validation bpb is the run's (written beside each)
-  one_device = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  one_device = dict(os.environ, XLA_FLAGS=xla_flags(1))
   outs = [subprocess.run([sys.executable, "-m", "bov_jax.main", f"--workdir={d}", "--mode=eval",
                           "--config.train.eval_tokens=2048"], capture_output=True, text=True,
                          cwd=ROOT, timeout=300, env=one_device)

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.helpers import TINY_RUN
+from tests.helpers import xla_flags
 
 pytestmark = pytest.mark.slow  # several processes: end-to-end runs
 
@@ -28,7 +29,7 @@ def _port() -> int:
 
 
 def _env(devices: int) -> dict:
-  return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  return dict(os.environ, XLA_FLAGS=xla_flags(devices),
               JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 
 

@@ -18,6 +18,7 @@ from tests.helpers import model_spec
 from tests.helpers import random_model
 from tests.helpers import run_spec
 from tests.helpers import small_config
+from tests.helpers import xla_flags
 
 MESHES = [(2, 2, 2), (1, 8, 1), (1, 1, 8), (8, 1, 1), (2, 4, 1), (1, 2, 4)]
 
@@ -206,7 +207,7 @@ def test_mesh_training_matches_one_device_and_reshards_on_resume(tmp_path):
             "--config.train.sample_tokens=0", "--config.train.checkpoint_every=3"]
 
   def main(workdir, devices, *extra):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(devices))
     out = subprocess.run([sys.executable, "-m", "bov_jax.main", f"--workdir={workdir}",
                           *common, *extra], capture_output=True, text=True, cwd=root, env=env,
                          timeout=900)

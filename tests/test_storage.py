@@ -14,6 +14,7 @@ import pytest
 from bov_jax import corpus
 from bov_jax import storage
 from tests.helpers import TINY_RUN
+from tests.helpers import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [*TINY_RUN, "--config.train.num_iterations=12", "--config.train.eval_every=6",
@@ -41,7 +42,7 @@ def test_appending_to_a_bucket_file(gcs):
 
 @pytest.mark.slow
 def test_a_tiny_run_lives_in_the_bucket(gcs, tmp_path):
-  env = dict(os.environ, **gcs, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+  env = dict(os.environ, **gcs, XLA_FLAGS=xla_flags(1),
              PYTHONUNBUFFERED="1")
   fs = fsspec.filesystem("gs")
   docs = corpus.embedded_documents()

@@ -9,6 +9,7 @@ import pytest
 from bov_jax import report
 from bov_jax import sweep
 from tests.helpers import TINY_RUN
+from tests.helpers import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,7 +79,7 @@ def test_report_on_two_runs(tmp_path):
   """Two short tiny runs (baseline and BoV) -> PNGs and a Markdown table."""
   common = ["--config=configs/tiny.py", *TINY_RUN, "--config.train.num_iterations=6",
             "--config.train.eval_every=3", "--config.train.sample_tokens=0"]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(1))
   runs = []
   for preset in ("gpt_base", "gpt_base_v_from_value_emb_learn"):
     wd = str(tmp_path / preset)

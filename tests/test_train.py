@@ -21,6 +21,7 @@ from bov_jax import step as step_lib
 from tests.helpers import TINY_RUN
 from tests.helpers import init_model
 from tests.helpers import small_config
+from tests.helpers import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--config=configs/tiny.py", *TINY_RUN, "--config.train.sample_tokens=8",
@@ -29,7 +30,7 @@ FAST = ["--config=configs/tiny.py", *TINY_RUN, "--config.train.sample_tokens=8",
 
 def _env():
   env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+  env["XLA_FLAGS"] = xla_flags(1)
   env["PYTHONUNBUFFERED"] = "1"
   return env
 
