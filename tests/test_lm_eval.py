@@ -106,7 +106,8 @@ def test_loglikelihoods_are_the_models_own_token_losses(run, lm):
   windows = [_rolling_rows(tok, t, CONTEXT) for t in TEXTS]
   own = iter(_own_loglikelihood(model, [w for ws in windows for w in ws]))
   want = [sum(next(own) for _ in ws) for ws in windows]
-  np.testing.assert_allclose(rolling, want, rtol=0, atol=1e-5)
+  # a whole text sums thousands of nats: its fp32 rounding is relative (1e-6 of the sum)
+  np.testing.assert_allclose(rolling, want, rtol=1e-6, atol=1e-5)
   assert len(lm.scorer.shapes) <= 4  # bucketed: a few shapes, not one per request
 
 

@@ -40,8 +40,8 @@ def test_sum_value_and_gradients_match_autodiff(chunk, scale):
   r = lambda h, w: g * jnp.sum(_reference(h, w, y, V))
   np.testing.assert_allclose(f(h, w), r(h, w), rtol=1e-5)
   got, want = jax.grad(f, argnums=(0, 1))(h, w), jax.grad(r, argnums=(0, 1))(h, w)
-  for a, b in zip(got, want):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+  for a, b in zip(got, want):  # fp32 rounding in dw = sum(h * delta) grows with |h| (scale)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * scale / 2)
   # the masked row contributes nothing; the padded vocabulary columns get no gradient
   np.testing.assert_array_equal(np.asarray(got[0][3]), 0.0)
   np.testing.assert_array_equal(np.asarray(got[1][:, V:]), 0.0)
