@@ -44,6 +44,7 @@ except ImportError:  # the eval extra is not installed: the command says so (ext
   lm_utils, TemplateLM = None, object
 
 GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k")
+SAMPLING_ONLY = ("temperature", "top_k", "top_p", "min_p")  # ignored when decoding greedily
 
 
 class BovLM(TemplateLM):
@@ -159,7 +160,10 @@ class BovLM(TemplateLM):
   # -- generation -----------------------------------------------------------------------
 
   def _generation_settings(self, kwargs: dict) -> dict:
-    unknown = sorted(set(kwargs) - set(GEN_KWARGS))
+    unknown = set(kwargs) - set(GEN_KWARGS)
+    if not kwargs.get("do_sample"):  # greedy: what only shapes sampling does not matter
+      unknown -= set(SAMPLING_ONLY)
+    unknown = sorted(unknown)
     if unknown:
       raise ValueError(f"generation settings {unknown} are not supported by bov_jax.lm_eval "
                        f"(supported: {', '.join(GEN_KWARGS)})")

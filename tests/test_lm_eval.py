@@ -154,8 +154,12 @@ def test_generate_until_is_greedy_sampling(run, lm, monkeypatch):
                                                                          "max_gen_toks": n}))])
   assert text == want[0].split(stop, 1)[0]
   assert len(chunks) < n // lm.decode_chunk  # stopped between chunks, before the budget
+  greedy = {"until": [stop], "max_gen_toks": n, "top_p": 0.9}  # top_p: sampling only
+  assert lm.generate_until([_request("generate_until", (prompts[0], greedy))]) == [text]
   with pytest.raises(ValueError, match=r"\[.top_p.\] are not supported"):
-    lm.generate_until([_request("generate_until", ("x", {"until": [], "top_p": 0.9}))])
+    lm.generate_until([_request("generate_until", ("x", {"do_sample": True, "top_p": 0.9}))])
+  with pytest.raises(ValueError, match=r"\[.num_beams.\] are not supported"):
+    lm.generate_until([_request("generate_until", ("x", {"num_beams": 4}))])
   with pytest.raises(ValueError, match="max_gen_toks=64"):
     lm.generate_until([_request("generate_until", ("x", {"max_gen_toks": CONTEXT}))])
 
