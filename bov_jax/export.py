@@ -221,9 +221,7 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str | None = 
   from bov_jax import model as model_lib
   from bov_jax import spec as spec_lib
   from bov_jax import tokenizer as tok_lib
-  cfg = rundir.read_config(workdir)
-  if cfg is None:
-    raise ExportError(f"--workdir={workdir} has no {rundir.CONFIG} (not a bov_jax run)")
+  cfg = rundir.config_of(workdir)
   spec = spec_lib.resolve(cfg)
   abstract = nnx.to_pure_dict(nnx.state(model_lib.abstract(spec.model)))
   restored = checkpoint.Checkpoints(workdir, async_save=False).restore(abstract, only=step)

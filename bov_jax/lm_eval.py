@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from bov_jax import extras
+from bov_jax import rundir
 
 try:
   from lm_eval import utils as lm_utils
@@ -61,7 +62,7 @@ class BovLM(TemplateLM):
     from bov_jax import sharding
     from bov_jax import spec as spec_lib
     from bov_jax.kernels import bank_decode
-    cfg = run_config(workdir)
+    cfg = rundir.config_of(workdir)
     if batch_size < 1 or max_gen_toks < 1 or decode_chunk < 1:
       raise ValueError(f"--batch_size={batch_size}, --max_gen_toks={max_gen_toks} and the "
                        f"decode chunk {decode_chunk} must be positive")
@@ -220,16 +221,6 @@ class BovLM(TemplateLM):
 
 # -- the command --------------------------------------------------------------------------
 
-def run_config(workdir: str):
-  """The config of the run (or exported folder) at WORKDIR; ValueError when it holds none."""
-  from bov_jax import rundir
-  cfg = rundir.read_config(workdir)
-  if cfg is None:
-    raise ValueError(f"--workdir={workdir} holds no {rundir.CONFIG} or {rundir.RUN_CONFIG}: "
-                     "expected a bov_jax run directory or an exported folder")
-  return cfg
-
-
 def summary(results: dict) -> dict:
   """{task: {metric: value}} of lm-eval's results, numbers only."""
   return {task: {k: v for k, v in metrics.items()
@@ -255,8 +246,7 @@ def evaluate(workdir: str, tasks: list[str], num_fewshot: int | None = None,
   from lm_eval import evaluator
   from lm_eval.tasks import TaskManager
 
-  from bov_jax import rundir
-  run_config(workdir)  # a wrong --workdir fails before lm-eval indexes its tasks
+  rundir.config_of(workdir)  # a wrong --workdir fails before lm-eval indexes its tasks
   manager = TaskManager(include_path=include_path)
   check_tasks(manager, tasks)
   lm = BovLM(workdir, batch_size=batch_size, max_gen_toks=max_gen_toks, seed=seed)

@@ -23,17 +23,10 @@ from bov_jax import rundir
 RESULTS = "results.md"  # the tables, beside the plots
 
 
-def _config(workdir: str):
-  cfg = rundir.read_config(workdir)
-  if cfg is None:
-    raise FileNotFoundError(f"{workdir} has no {rundir.CONFIG} (not a bov_jax run)")
-  return cfg
-
-
 def load_run(workdir: str) -> dict:
   from bov_jax import plan
   from bov_jax import spec as spec_lib
-  cfg = _config(workdir)
+  cfg = rundir.config_of(workdir)
   spec = spec_lib.resolve(cfg)
   if not rundir.metrics(workdir).exists():
     raise FileNotFoundError(f"{workdir} has no {rundir.METRICS} (has it trained?)")
@@ -54,7 +47,7 @@ def coefficients(workdir: str) -> dict:
   from bov_jax import checkpoint
   from bov_jax import model as model_lib
   from bov_jax import spec as spec_lib
-  abstract = model_lib.abstract(spec_lib.resolve(_config(workdir)).model)
+  abstract = model_lib.abstract(spec_lib.resolve(rundir.config_of(workdir)).model)
   restored = checkpoint.Checkpoints(workdir, async_save=False).restore(
       nnx.to_pure_dict(nnx.state(abstract)))
   if restored is None:

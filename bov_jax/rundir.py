@@ -150,6 +150,15 @@ def read_config(workdir: str) -> ml_collections.ConfigDict | None:
   return cfg
 
 
+def config_of(workdir: str) -> ml_collections.ConfigDict:
+  """read_config for a command that needs a run: RunDirError when WORKDIR holds none."""
+  cfg = read_config(workdir)
+  if cfg is None:
+    raise RunDirError(f"--workdir={workdir} holds no {CONFIG} or {RUN_CONFIG}: expected a "
+                      "bov_jax run directory or an exported folder")
+  return cfg
+
+
 def write_config(workdir: str, cfg) -> None:
   d = path(workdir)
   d.mkdir(parents=True, exist_ok=True)

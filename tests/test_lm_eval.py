@@ -175,7 +175,7 @@ def test_an_exported_folder_scores_as_its_run(run, lm, tmp_path):
 
 def test_a_directory_that_is_not_a_run_is_refused(tmp_path):
   with pytest.raises(ValueError, match="holds no config.json or run_config.json"):
-    lm_eval.run_config(str(tmp_path))
+    lm_eval.BovLM(str(tmp_path))
 
 
 @pytest.mark.slow

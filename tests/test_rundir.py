@@ -122,3 +122,14 @@ def test_launch_script_names_done_as_rundir_does():
   import re
   script = open(os.path.join(ROOT, "launch", "tpu.sh")).read()
   assert re.search(r"^DONE_FILE=(\S+)", script, re.M).group(1) == rundir.DONE
+
+
+def test_a_command_that_needs_a_run_names_what_is_missing(tmp_path):
+  """config_of (export, report, lm_eval): a directory with neither a run's config.json
+  nor an exported folder's run_config.json is refused by name."""
+  with pytest.raises(rundir.RunDirError, match=r"--workdir=.* holds no config\.json or "
+                                               r"run_config\.json"):
+    rundir.config_of(str(tmp_path))
+  cfg = small_config()
+  rundir.write_config(str(tmp_path), cfg)
+  assert rundir.config_of(str(tmp_path)).model.n_layer == cfg.model.n_layer
