@@ -169,7 +169,7 @@ class BovLM(TemplateLM):
       raise ValueError(f"generation settings {unknown} are not supported by bov_jax.lm_eval "
                        f"(supported: {', '.join(GEN_KWARGS)})")
     until = kwargs.get("until") or []
-    until = [until] if isinstance(until, str) else list(until)
+    until = [s for s in ([until] if isinstance(until, str) else until) if s]
     n = int(kwargs.get("max_gen_toks", self.max_gen_toks))
     if not 0 < n < self.max_length:
       raise ValueError(f"max_gen_toks={n}: expected 1 to {self.max_length - 1} "
@@ -214,8 +214,7 @@ class BovLM(TemplateLM):
       tokens = tokens[:tokens.index(self.tok.bos_id)]
     text = self.tok.decode(tokens)
     for s in until:
-      if s:
-        text = text.split(s, 1)[0]
+      text = text.split(s, 1)[0]
     return text
 
 

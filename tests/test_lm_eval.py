@@ -140,6 +140,7 @@ def test_generate_until_is_greedy_sampling(run, lm, monkeypatch):
   got = lm.generate_until([_request("generate_until", (p, {"until": [], "max_gen_toks": n}))
                            for p in prompts])
   assert got == want
+  assert lm.prompt_shapes == {(4, CONTEXT)}  # three prompt lengths, one padded shape
   # a stop string the first generation reaches after a few tokens
   stop = want[0][len(want[0]) // 3:len(want[0]) // 3 + 2]
   chunks = []
@@ -154,7 +155,7 @@ def test_generate_until_is_greedy_sampling(run, lm, monkeypatch):
                                                                          "max_gen_toks": n}))])
   assert text == want[0].split(stop, 1)[0]
   assert len(chunks) < n // lm.decode_chunk  # stopped between chunks, before the budget
-  greedy = {"until": [stop], "max_gen_toks": n, "top_p": 0.9}  # top_p: sampling only
+  greedy = {"until": [stop, ""], "max_gen_toks": n, "top_p": 0.9}  # top_p: sampling only
   assert lm.generate_until([_request("generate_until", (prompts[0], greedy))]) == [text]
   with pytest.raises(ValueError, match=r"\[.top_p.\] are not supported"):
     lm.generate_until([_request("generate_until", ("x", {"do_sample": True, "top_p": 0.9}))])
