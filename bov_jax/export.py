@@ -81,15 +81,15 @@ def _shards(sizes: dict, limit: int) -> list[list[str]]:
   return groups + ([current] if current else [])
 
 
-def _write_file(path: epath.Path, names: list[str], shapes: dict, dtypes: dict, fetch) -> None:
+def _write_file(path: epath.Path, names: list[str], shapes: dict, dtypes: dict, sizes: dict,
+                fetch) -> None:
   """One safetensors file: an 8-byte header length, the JSON header (dtype, shape, byte
   offsets per tensor), then each tensor's bytes in order, fetched one at a time."""
   header, offset = {}, 0
   for name in names:
-    n = math.prod(shapes[name]) * np.dtype(dtypes[name]).itemsize
     header[name] = {"dtype": _DTYPES[dtypes[name]], "shape": list(shapes[name]),
-                    "data_offsets": [offset, offset + n]}
-    offset += n
+                    "data_offsets": [offset, offset + sizes[name]]}
+    offset += sizes[name]
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
   with path.open("wb") as f:
@@ -128,7 +128,7 @@ def write_weights(out: str, params: dict, dtype: str | None = None,
              "weight_map": {n: f for f, g in zip(files, groups) for n in g}}
     (root / rundir.EXPORT_INDEX).write_text(json.dumps(index, indent=2))
   for f, g in zip(files, groups):
-    _write_file(root / f, g, shapes, dtypes, fetch)
+    _write_file(root / f, g, shapes, dtypes, sizes, fetch)
   return [str(root / f) for f in files]
 
 
@@ -244,8 +244,7 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str | None = 
   tok = tok_lib.load(rundir.tokenizer(workdir))
   tok.save(str(root))
   (root / rundir.EXPORT_TOKENIZER).write_text(json.dumps(tok_lib.hf_json(tok)))
-  records = ([json.loads(line) for line in rundir.metrics(workdir).read_text().splitlines()
-              if line.strip()] if rundir.metrics(workdir).exists() else [])
+  records = rundir.read_metrics(workdir) or []
   (root / rundir.MODEL_CARD).write_text(model_card(spec, records, restored.step))
   return {"out": str(root), "step": int(restored.step), "files": files}
 

@@ -48,6 +48,13 @@ def tables_to_host(graphdef, params):
   return nnx.graphdef(model_lib.abstract(spec)), params
 
 
+def decoding_graphdef(model_spec):
+  """The model's graphdef for decoding over the cache, with whether a bank layer decodes
+  in the fused kernel decided once, for this device, before tracing (bank_decode.resolve)."""
+  from bov_jax.kernels import bank_decode
+  return nnx.graphdef(model_lib.abstract(bank_decode.resolve(model_spec)))
+
+
 def cache_length(prompt_len: int, max_new_tokens: int, multiple: int = 128) -> int:
   """Cache positions a generation can reach (the last sampled token is not run),
   rounded up to a multiple."""

@@ -33,7 +33,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from bov_jax import extras
 from bov_jax import rundir
@@ -56,12 +55,11 @@ class BovLM(TemplateLM):
     extras.require("lm_eval", "eval", "bov_jax.lm_eval")
     super().__init__()
     from bov_jax import core
-    from bov_jax import model as model_lib
+    from bov_jax import inference
     from bov_jax import modes
     from bov_jax import process
     from bov_jax import sharding
     from bov_jax import spec as spec_lib
-    from bov_jax.kernels import bank_decode
     cfg = rundir.config_of(workdir)
     if batch_size < 1 or max_gen_toks < 1 or decode_chunk < 1:
       raise ValueError(f"--batch_size={batch_size}, --max_gen_toks={max_gen_toks} and the "
@@ -72,8 +70,7 @@ class BovLM(TemplateLM):
     self.tok = process.tokenizer(spec, workdir)
     with jax.set_mesh(self.mesh):
       self.step, graphdef, self.params = modes.restore(spec, workdir, self.mesh)
-    # whether a bank layer decodes in the fused kernel: decided here, once (as --mode=sample)
-    self.decode_graphdef = nnx.graphdef(model_lib.abstract(bank_decode.resolve(spec.model)))
+    self.decode_graphdef = inference.decoding_graphdef(spec.model)
     self.scorer = core.Scorer(graphdef, self.params, pad_id=self.tok.bos_id,
                               batch_rows=batch_size)
     self.batch_size, self._max_gen_toks = batch_size, max_gen_toks

@@ -13,18 +13,15 @@ import sys
 import jax
 import numpy as np
 from etils import epath
-from flax import nnx
 
 from bov_jax import bpb
 from bov_jax import checkpoint as ckpt_lib
 from bov_jax import config as config_lib
 from bov_jax import inference
-from bov_jax import model as model_lib
 from bov_jax import process
 from bov_jax import rundir
 from bov_jax import sharding
 from bov_jax import step as step_lib
-from bov_jax.kernels import bank_decode
 from bov_jax.process import log
 
 
@@ -121,7 +118,7 @@ def sample(spec, workdir: str) -> dict:
   with jax.set_mesh(mesh):
     _, graphdef, params = restore(spec, workdir, mesh)
     if s.use_cache:  # whether a bank layer decodes in the fused kernel: decided here, once
-      graphdef = nnx.graphdef(model_lib.abstract(bank_decode.resolve(spec.model)))
+      graphdef = inference.decoding_graphdef(spec.model)
     if s.tables_on_host:
       graphdef, params = inference.tables_to_host(graphdef, params)
     gen = inference.generate_cached if s.use_cache else inference.generate_uncached

@@ -28,10 +28,9 @@ def load_run(workdir: str) -> dict:
   from bov_jax import spec as spec_lib
   cfg = rundir.config_of(workdir)
   spec = spec_lib.resolve(cfg)
-  if not rundir.metrics(workdir).exists():
+  metrics = rundir.read_metrics(workdir)
+  if metrics is None:
     raise FileNotFoundError(f"{workdir} has no {rundir.METRICS} (has it trained?)")
-  metrics = [json.loads(line) for line in rundir.metrics(workdir).read_text().splitlines()
-             if line.strip()]
   core_file = rundir.core(workdir)
   core = json.loads(core_file.read_text()) if core_file.exists() else None
   return {"dir": workdir, "name": workdir.rstrip("/").rsplit("/", 1)[-1], "cfg": cfg,

@@ -88,6 +88,14 @@ def metrics(workdir: str) -> epath.Path:
   return path(workdir) / METRICS
 
 
+def read_metrics(workdir: str) -> list[dict] | None:
+  """metrics.jsonl's records, or None when the run has logged none."""
+  p = metrics(workdir)
+  if not p.exists():
+    return None
+  return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
 def core(workdir: str) -> epath.Path:
   return path(workdir) / CORE
 
