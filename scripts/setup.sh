@@ -4,8 +4,21 @@
 # requirements.txt changed since the last successful install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
+# The interpreter: $PYTHON, else the first Python >= 3.12 found (JAX 0.11 and newer need it),
+# pyenv's installed versions included where the one on PATH is older.
+new_enough() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; }
+find_python() {
+  local c
+  for c in ${PYTHON:-} python3 python3.12 python3.13 python3.14 \
+           "$(pyenv root 2>/dev/null || echo ~/.pyenv)"/versions/3.1[2-9]*/bin/python3; do
+    if [ -n "$c" ] && new_enough "$c"; then echo "$c"; return; fi
+  done
+  echo "setup.sh: no Python >= 3.12 found (set PYTHON=/path/to/python3.12)" >&2
+  exit 2
+}
+if [ ! -x .venv/bin/python ] || ! new_enough .venv/bin/python; then
+  PY="$(find_python)"
+  rm -rf .venv
   "$PY" -m venv .venv
 fi
 stamp=.venv/.install.sha256
