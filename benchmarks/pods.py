@@ -10,9 +10,15 @@ counts applied, `benchmarks.dots.hlo_runs`): the bytes each chip all-gathers (an
 all-gather's result), reduce-scatters and all-reduces (their operand), sends through
 all-to-alls and collective permutes (the TPU compiler turns many gathers and scatters
 into rings of permutes). Beside them, what the step needs at the least (`floor`): with
-FSDP, every block weight gathered for the forward and for the backward (per micro-batch)
-and every gradient reduce-scattered once; over data replicas, the gradients all-reduced
-once. One record per run.
+FSDP, every block weight gathered for the forward and for the backward and its gradient
+reduce-scattered (per micro-batch); over data replicas, the gradients reduced once
+(reduce-scattered into the optimizer's shards and the new parameters all-gathered, or
+all-reduced where the update is not split), and `gathered_reduced_vs_floor`, the bytes
+gathered and reduced against the floor's (`all_vs_floor`: all-to-alls and permutes
+too). With the train step it compiles the update alone, as the step runs it
+(`step.build`'s `update_step`): `optimizer_flops_per_chip` (the compiler's cost
+analysis) against `model_flops_per_chip` (`plan.flops_per_token` x `train.batch_tokens`
+/ chips). One record per run.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import os
 import re
 
 import jax
+import numpy as np
 from absl import app
 from absl import flags
 
@@ -30,6 +37,7 @@ from benchmarks import common
 from benchmarks.dots import hlo_runs
 from bov_jax import aot
 from bov_jax import config as config_lib
+from bov_jax import plan
 from bov_jax import spec as spec_lib
 
 _RUNS = flags.DEFINE_list("runs", ["bov_780m:v5p-64", "baseline_780m:v5p-64"],
@@ -54,15 +62,23 @@ def _bytes(text: str) -> int:
 
 def collectives(hlo_text: str) -> dict:
   """{kind: bytes per chip per run of the module}: an all-gather counts its result, the
-  others their operands (for the async `-start` forms, the operand half of the tuple)."""
+  others their operands (for the async `-start` forms, the operand half of the tuple).
+  The TPU compiler runs a large collective in steps, each fused with other work
+  (`async_collective_fusion`s that carry the whole result buffer, the collective's
+  channel id and its `chain_id`): one chain is one collective, counted once."""
   comps, runs = hlo_runs(hlo_text)
   out = collections.Counter()
+  seen = set()
   for comp, lines in comps.items():
     for line in lines:
       m = re.search(r"= (.*?) (all-gather|reduce-scatter|all-reduce|all-to-all|"
                     r"collective-permute)(-start)?\(", line)
       if not m or not runs[comp]:
         continue
+      chain = re.search(r'channel_id=(\d+).*chain_id="(\d+)"', line)
+      if chain and chain.groups() in seen:
+        continue
+      seen.add(chain and chain.groups())
       result, kind, start = m.groups()
       shapes = [(t, d) for t, d in _SHAPE.findall(result) if d]  # u32[] are sync flags
       if start and len(shapes) > 1:  # an async start's (operands, results) tuple
@@ -74,27 +90,50 @@ def collectives(hlo_text: str) -> dict:
 
 def floor(spec, report) -> dict:
   """What one step must move at the least, counted as `collectives` counts (an
-  all-gather's result, the others' operand, per chip): with FSDP every block and head
-  weight gathered whole for the forward and again for the backward of each micro-batch
-  (in the compute dtype) and every gradient reduce-scattered once (value tables excluded:
-  they are never gathered); over data-parallel replicas, each chip's share of the
-  gradients (tables included, stored dtypes) all-reduced once."""
+  all-gather's result, the others' operand, per chip). With FSDP, every block and head
+  weight gathered whole for the forward and again for the backward of each micro-batch,
+  and its gradient reduce-scattered after each (in the compute dtype; value tables
+  excluded: they are never gathered). Over data replicas, each chip's share of the
+  gradients (tables included, stored dtypes) reduced once: where the update is split
+  (optim.shard_optimizer), reduce-scattered into the optimizer's shards and the new
+  parameters all-gathered (Muon's matrices as their updates, in
+  optim.muon_update_dtype), else all-reduced."""
   from flax import nnx
 
   from bov_jax import model as model_lib
+  from bov_jax import optim
   fsdp, data = report["mesh"]["fsdp"], report["mesh"]["data"]
-  flat = [(str(path[0]), v) for path, v in nnx.to_flat_state(nnx.state(model_lib.abstract(
-      spec.model)))]
-  weights = sum(math.prod(v.shape) for top, v in flat if top != "tables")
+  flat = [(tuple(str(k) for k in path), v) for path, v in nnx.to_flat_state(
+      nnx.state(model_lib.abstract(spec.model)))]
+  weights = sum(math.prod(v.shape) for path, v in flat if path[0] != "tables")
   stored = sum(math.prod(v.shape) * v.dtype.itemsize for _, v in flat)
+  update = np.dtype(spec.optim.update_dtype).itemsize
+  gathered = sum(math.prod(v.shape) * (update if optim.label(path) == "muon" else
+                                       v.dtype.itemsize) for path, v in flat)
   dt = 2 if spec.model.dtype == "bfloat16" else 4
   accum = report["spec"].get("accum", 1)
   out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
   if fsdp > 1:
-    out.update(all_gather=2 * accum * weights * dt, reduce_scatter=weights * 4)
-  if data > 1:
+    out.update(all_gather=2 * accum * weights * dt, reduce_scatter=accum * weights * dt)
+  if data > 1 and spec.optim.shard_optimizer:
+    out["reduce_scatter"] += stored // fsdp
+    out["all_gather"] += gathered // fsdp
+  elif data > 1:
     out["all_reduce"] = stored // fsdp
   return out
+
+
+GATHERED_REDUCED = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def optimizer_flops(compiled_update) -> float:
+  """FLOPs per chip of the compiled optimizer update (the compiler's cost analysis,
+  which counts a loop's body once: an update that loops is refused, not undercounted)."""
+  comps, runs = hlo_runs(compiled_update.as_text())
+  if any(n > 1 for n in runs.values()):
+    raise ValueError("the optimizer update runs a loop: its cost analysis would count "
+                     "the body once")
+  return float(compiled_update.cost_analysis()["flops"])
 
 
 def run_one(name: str, topology: str) -> dict:
@@ -109,22 +148,34 @@ def run_one(name: str, topology: str) -> dict:
     node[leaf] = value == "true" if isinstance(old, bool) else type(old)(value)
   spec = spec_lib.resolve(cfg, backend="tpu")
   kept = {}
-  report = aot.run(spec, topology, _PROGRAMS.value, log=lambda *_: None,
-                   on_compiled=lambda n, c: kept.__setitem__(n, c.as_text()))
+  programs = _PROGRAMS.value + (["update"] if "train" in _PROGRAMS.value else [])
+  report = aot.run(spec, topology, programs, log=lambda *_: None,
+                   on_compiled=lambda n, c: kept.__setitem__(n, c))
   record = {"config": name, "topology": topology, "fits": report["fits"],
             "mesh": report["mesh"], "hbm_gib": round(report["hbm_bytes_per_chip"] / aot.GiB, 2)}
   for prog, fig in report["programs"].items():
-    if prog == "prefill":
+    if prog in ("prefill", "update_step"):  # the update's figure is its FLOPs, below
       continue
     record[prog] = {k: fig.get(k) for k in ("peak_bytes", "compile_s", "max_batch",
                                             "cache_bytes_per_sequence") if k in fig}
   if "train_step" in kept and _HLO_DIR.value:
     os.makedirs(_HLO_DIR.value, exist_ok=True)
     with open(os.path.join(_HLO_DIR.value, f"{name}-{topology}.hlo.txt"), "w") as f:
-      f.write(kept["train_step"])
+      f.write(kept["train_step"].as_text())
   if "train_step" in kept:
-    record["train_step"]["collectives"] = collectives(kept["train_step"])
-    record["train_step"]["floor"] = floor(spec, report)
+    train = record["train_step"]
+    train["collectives"] = collectives(kept["train_step"].as_text())
+    train["floor"] = floor(spec, report)
+    least = sum(train["floor"].values())
+    moved = sum(train["collectives"].get(k, 0) for k in GATHERED_REDUCED)
+    train["gathered_reduced_vs_floor"] = round(moved / least, 3) if least else None
+    train["all_vs_floor"] = (round(sum(train["collectives"].values()) / least, 3) if least
+                             else None)
+    train["optimizer_flops_per_chip"] = optimizer_flops(kept["update_step"])
+    train["model_flops_per_chip"] = (plan.flops_per_token(spec.model) * spec.train.batch_tokens
+                                     / report["chips"])
+    train["optimizer_share"] = round(train["optimizer_flops_per_chip"]
+                                     / train["model_flops_per_chip"], 4)
   return record
 
 

@@ -154,10 +154,12 @@ def train_programs(spec, mesh):
                                sharding=sharding.batch_sharding(mesh, leading_dims=2))
   tokens = jax.ShapeDtypeStruct((rows, T), jnp.int32, sharding=sharding.batch_sharding(mesh))
   token_bytes = _sds((spec.model.vocab_size,), jnp.int32, mesh, (None,))
+  grads = jax.tree.map(lambda p, s: p.update(sharding=s), trainer.params, trainer.grad_shardings)
   with jax.set_mesh(mesh):
     return trainer.layout, {
         "train_step": trainer.train_step.lower(trainer.params, trainer.opt_state, batch, batch),
-        "eval_step": trainer.eval_step.lower(trainer.params, tokens, tokens, token_bytes)}
+        "eval_step": trainer.eval_step.lower(trainer.params, tokens, tokens, token_bytes),
+        "update_step": trainer.update_step.lower(grads, trainer.opt_state, trainer.params)}
 
 
 class Decoding:
@@ -246,7 +248,7 @@ def max_decode_batch(dec: Decoding, limit: int, log=print) -> tuple[int, dict | 
 
 # -- the mode --------------------------------------------------------------------------
 
-PROGRAMS = ("train", "eval", "decode")
+PROGRAMS = ("train", "eval", "decode", "update")  # update: the train step's optimizer part
 # What lowers each program's bytes per chip.
 LOWER_TRAIN = ("model.remat (dots_no_batch, then full), train.device_batch_size, or a mesh "
                "that splits more (mesh.fsdp, mesh.tensor)")
@@ -262,10 +264,11 @@ def memory_line(name: str, m: dict, hbm: int | None = None) -> str:
   return line + (f" | compile {m['compile_s']:.1f} s" if "compile_s" in m else "")
 
 
-def run(spec, topology: str, programs=PROGRAMS, log=print, on_compiled=None) -> dict:
+def run(spec, topology: str, programs=("train", "eval", "decode"), log=print,
+        on_compiled=None) -> dict:
   """Compiles the run's programs for a TPU slice; returns the report (`fits` and each
   program's bytes per chip and compile seconds). Raises TopologyError for an unknown
-  slice or no TPU compiler. on_compiled(name, compiled): sees the train and eval steps."""
+  slice or no TPU compiler. on_compiled(name, compiled): sees each step it compiles."""
   unknown = sorted(set(programs) - set(PROGRAMS))
   if unknown:
     raise TopologyError(f"--programs: unknown {', '.join(unknown)}; expected a comma list "
@@ -301,10 +304,10 @@ def run(spec, topology: str, programs=PROGRAMS, log=print, on_compiled=None) -> 
       failed.append(name)
     return fig
 
-  if "train" in programs or "eval" in programs:
+  if {"train", "eval", "update"} & set(programs):
     layout, lowered = train_programs(spec, mesh)
     report["spec"].update(rows_per_device=layout.rows_per_device, accum=layout.accum)
-    for name in ("train", "eval"):
+    for name in ("train", "eval", "update"):
       if name in programs:
         add(f"{name}_step", lambda name=name: lowered[f"{name}_step"])
   if "decode" in programs:
@@ -392,6 +395,6 @@ def overflow_message(report: dict) -> str:
     fig = report["programs"].get(name, {})
     peak = fig.get("peak_bytes")
     parts.append(f"{name} ({'over HBM' if peak is None else f'peak {peak / GiB:.2f} GiB'})")
-    training = training or name in ("train_step", "eval_step")
+    training = training or name in ("train_step", "eval_step", "update_step")
   return (f"does not fit {report['topology']} ({FIT:.0%} of {hbm / GiB:.2f} GiB HBM per chip): "
           + "; ".join(parts) + f"; lower it with {LOWER_TRAIN if training else LOWER_DECODE}")

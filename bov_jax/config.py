@@ -113,6 +113,11 @@ def base_config() -> ml_collections.ConfigDict:
   o.muon_update_dtype = "auto"  # Muon's final update lr*X + lr*wd*p*mask computed in:
                               # auto (bfloat16 under bfloat16 compute, as the reference)
                               # | float32 | bfloat16
+  o.shard_optimizer = True    # on a mesh of several devices, no device repeats another's
+                              # update: optimizer state split over mesh.data too (ZeRO-1),
+                              # each device orthogonalising whole matrices of its own
+                              # (step.py); the data replicas' gradients are reduced once a
+                              # step either way
 
   c.data = d = ml_collections.ConfigDict()
   d.corpus = "embedded"       # embedded | a path or gs:// URL (text, JSONL, Parquet) or glob

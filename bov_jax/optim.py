@@ -17,6 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
+
+from bov_jax import sharding
 
 POLAR_EXPRESS = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -144,9 +147,21 @@ def _second_shape(shape):
 def muon_direction(g, buf, buf2, momentum, polar_dtype=jnp.float32, polar_gram=True):
   """One matrix's Muon direction and new buffers: momentum (no bias correction), Polar
   Express, then variance reduction rescaled to the same Frobenius norm."""
+  u, buf = muon_momentum_step(g, buf, momentum)
+  x, buf2 = orthogonalise(u, buf2, polar_dtype, polar_gram)
+  return x, buf, buf2
+
+
+def muon_momentum_step(g, buf, momentum):
+  """(Nesterov-style input u, new momentum buffer), elementwise."""
   g = g.astype(jnp.float32)
   buf = momentum * buf + (1 - momentum) * g
-  u = (1 - momentum) * g + momentum * buf
+  return (1 - momentum) * g + momentum * buf, buf
+
+
+def orthogonalise(u, buf2, polar_dtype=jnp.float32, polar_gram=True):
+  """Polar Express of u, then variance reduction with the second-moment buffer buf2,
+  rescaled to the same Frobenius norm: (direction, new buf2)."""
   x = polar_express(u, polar_dtype, polar_gram)
   axis = _reduce_axis(x.shape)
   n_red = x.shape[axis]
@@ -156,12 +171,12 @@ def muon_direction(g, buf, buf2, momentum, polar_dtype=jnp.float32, polar_gram=T
   norm = jnp.sqrt(jnp.sum(v) * n_red)
   new_norm = jnp.sqrt(jnp.sum(v * n_red * step * step))
   x = x * step * (norm / jnp.maximum(new_norm, 1e-10))
-  return x, buf, buf2
+  return x, buf2
 
 
 def muon(learning_rate, momentum, weight_decay, batched: bool = True,
          polar_dtype=jnp.float32, polar_gram: bool = True,
-         update_dtype=jnp.float32) -> optax.GradientTransformation:
+         update_dtype=jnp.float32, layout=None) -> optax.GradientTransformation:
   """The reference's Muon. learning_rate, momentum, weight_decay: step -> value.
 
   batched: matrices of one shape go through Polar Express together, one
@@ -169,8 +184,41 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
   polar_dtype, polar_gram: see `polar_express`.
   update_dtype: the final update lr*X + lr*wd*p*mask is computed in this dtype (the
   reference: bfloat16 under bfloat16 compute, X, lr, wd and p cast first).
+  layout: a `sharding.UpdateLayout` (optim.shard_optimizer). On a mesh of several
+  devices the matrices of one shape and layout are then stacked, the stack padded with
+  zero matrices to a multiple of the devices and split over them
+  (`sharding.RULES["stack"]`): each device orthogonalises and updates whole matrices of
+  its own, none repeats another's, and the updates go back to the parameters' layout
+  in one collective per stack (nanochat's distributed Muon).
   """
   direction = functools.partial(muon_direction, polar_dtype=polar_dtype, polar_gram=polar_gram)
+  ortho = functools.partial(orthogonalise, polar_dtype=polar_dtype, polar_gram=polar_gram)
+
+  def apply(x, p, lr_eff, wd):
+    """The update of one matrix from its direction x (cautious weight decay)."""
+    pf = p.astype(jnp.float32)
+    mask = (x * pf >= 0)  # cautious: decay only where it agrees
+    lr_u, wd_u = (jnp.asarray(v, update_dtype) for v in (lr_eff, wd))
+    x_u, p_u = x.astype(update_dtype), pf.astype(update_dtype)
+    u = lr_u * x_u + lr_u * wd_u * p_u * mask.astype(update_dtype)
+    return (-u).astype(p.dtype)
+
+  def split_stack(gs, bufs, bufs2, ps, m, lr_eff, wd, specs, n_shards):
+    """One group's updates and buffers, its stack split over the devices. specs: the
+    group's (parameter, update) PartitionSpecs."""
+    us, bufs = zip(*(muon_momentum_step(g, b, m) for g, b in zip(gs, bufs)))
+    pad = -len(gs) % n_shards
+
+    def stack(xs, spec=None):  # stacked where each matrix is, then split by matrices
+      xs = jnp.stack(list(xs) + [jnp.zeros_like(xs[0])] * pad)
+      if spec is not None:
+        xs = jax.lax.with_sharding_constraint(xs, P(None, *spec))
+      return sharding.constrain(xs, ("stack", None, None))
+
+    x, b2 = jax.vmap(ortho)(stack(us, specs[1]), stack(bufs2))
+    upd = jax.vmap(apply, in_axes=(0, 0, None, None))(x, stack(ps, specs[0]), lr_eff, wd)
+    upd = jax.lax.with_sharding_constraint(upd, P(None, *specs[0]))
+    return [(upd[j], bufs[j], b2[j]) for j in range(len(gs))]
 
   def init(params):
     return MuonState(
@@ -183,15 +231,28 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
       raise ValueError("muon needs params (cautious weight decay)")
     it = state.count
     lr, m, wd = learning_rate(it), momentum(it), weight_decay(it)
-    g_leaves, treedef = jax.tree.flatten(grads)
+    paths_g, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    g_leaves = [g for _, g in paths_g]
     b_leaves = treedef.flatten_up_to(state.momentum)
     s_leaves = treedef.flatten_up_to(state.second)
     p_leaves = treedef.flatten_up_to(params)
-    by_shape = {}
+    n_shards = sharding.shards("stack") if layout is not None else 1
+    specs = [layout.specs(path) if n_shards > 1 else None for path, _ in paths_g]
+    groups = {}
     for k, g in enumerate(g_leaves):
-      by_shape.setdefault(tuple(g.shape) if batched else k, []).append(k)
+      key = (tuple(g.shape), specs[k]) if batched or n_shards > 1 else k
+      groups.setdefault(key, []).append(k)
     upd, bufs, bufs2 = [None] * len(g_leaves), [None] * len(g_leaves), [None] * len(g_leaves)
-    for ks in by_shape.values():
+    for ks in groups.values():
+      fan_in, fan_out = g_leaves[ks[0]].shape
+      lr_eff = lr * math.sqrt(max(1.0, fan_out / fan_in))
+      if n_shards > 1:
+        pick = lambda leaves: [leaves[k] for k in ks]
+        for k, (u, b, b2) in zip(ks, split_stack(pick(g_leaves), pick(b_leaves),
+                                                 pick(s_leaves), pick(p_leaves), m, lr_eff,
+                                                 wd, specs[ks[0]], n_shards)):
+          upd[k], bufs[k], bufs2[k] = u, b, b2
+        continue
       if len(ks) == 1:  # no stacking (a copy) for a matrix on its own
         outs = [direction(g_leaves[ks[0]], b_leaves[ks[0]], s_leaves[ks[0]], m)]
       else:
@@ -199,16 +260,9 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
             jnp.stack([g_leaves[k] for k in ks]), jnp.stack([b_leaves[k] for k in ks]),
             jnp.stack([s_leaves[k] for k in ks]), m)
         outs = [tuple(a[j] for a in stacked) for j in range(len(ks))]
-      fan_in, fan_out = g_leaves[ks[0]].shape
-      lr_eff = lr * math.sqrt(max(1.0, fan_out / fan_in))
       for k, (x, b, b2) in zip(ks, outs):
         bufs[k], bufs2[k] = b, b2
-        pf = p_leaves[k].astype(jnp.float32)
-        mask = (x * pf >= 0)  # cautious: decay only where it agrees
-        lr_u, wd_u = (jnp.asarray(v, update_dtype) for v in (lr_eff, wd))
-        x_u, p_u = x.astype(update_dtype), pf.astype(update_dtype)
-        u = lr_u * x_u + lr_u * wd_u * p_u * mask.astype(update_dtype)
-        upd[k] = (-u).astype(p_leaves[k].dtype)
+        upd[k] = apply(x, p_leaves[k], lr_eff, wd)
     unflat = lambda xs: jax.tree.unflatten(treedef, xs)
     return unflat(upd), MuonState(it + 1, unflat(bufs), unflat(bufs2))
 
@@ -260,8 +314,9 @@ def hyperparams(o, n_embd: int, batch_tokens: int, scaling_params: int,
   }
 
 
-def make(o, num_iterations: int, hp: dict) -> optax.GradientTransformation:
-  """The whole optimizer for an OptimSpec `o`, with `hp` from `hyperparams`."""
+def make(o, num_iterations: int, hp: dict, layout=None) -> optax.GradientTransformation:
+  """The whole optimizer for an OptimSpec `o`, with `hp` from `hyperparams`; `layout`
+  (a `sharding.UpdateLayout`) splits Muon's work over the mesh (optim.shard_optimizer)."""
   mult = lambda it: lr_multiplier(it, num_iterations, o.warmup_steps, o.warmdown_ratio,
                                   o.final_lr_frac)
   groups = {}
@@ -273,5 +328,5 @@ def make(o, num_iterations: int, hp: dict) -> optax.GradientTransformation:
       momentum=lambda it: muon_momentum(it, num_iterations, o.warmdown_ratio),
       weight_decay=lambda it: muon_weight_decay(it, num_iterations, hp["muon_weight_decay"]),
       batched=o.muon_batched, polar_dtype=jnp.dtype(o.polar_dtype), polar_gram=o.polar_gram,
-      update_dtype=jnp.dtype(o.update_dtype))
+      update_dtype=jnp.dtype(o.update_dtype), layout=layout)
   return optax.partition(groups, labels)

@@ -35,6 +35,10 @@ RULES = {
     "table_vocab": "tensor",
     "table_width": "fsdp",
     "batch": BATCH_AXES,  # activations' rows
+    # The optimizer's stack of same-shaped matrices (optim.muon): split over every
+    # axis, so each device orthogonalises whole matrices of its own (nanochat's
+    # distributed Muon; MaxText's sharding-aware Muon).
+    "stack": MESH_AXES,
 }
 
 
@@ -67,9 +71,15 @@ def make_mesh(mesh_cfg, devices=None) -> jax.sharding.Mesh:
   return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
+def _manual(mesh) -> tuple:
+  """The axes a shard_map around this code has made manual (none outside one)."""
+  return tuple(getattr(mesh, "manual_axes", ()))
+
+
 def logical_to_spec(logical, shape, mesh) -> P:
-  """Mesh axes for a parameter; an axis that does not divide stays replicated."""
-  spec, used = [], set()
+  """Mesh axes for a parameter; an axis that does not divide stays replicated, and so
+  does one a shard_map around the caller has taken (its shards are already local)."""
+  spec, used = [], set(_manual(mesh))
   for name, dim in zip(logical or (), shape):
     axes = RULES.get(name)
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
@@ -196,7 +206,7 @@ def table_axes(mesh, table_shape):
 def batch_axes(mesh, batch: int) -> tuple:
   """The mesh axes a batch of this many rows is split over: the batch axes of size > 1,
   or none when the batch does not divide (decoding one sequence)."""
-  axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+  axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1 and a not in _manual(mesh))
   return axes if batch % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
 
@@ -280,6 +290,57 @@ def like_params(tree, param_specs, param_shapes):
     return P()
 
   return jax.tree_util.tree_map_with_path(f, tree)
+
+
+def update_specs(param_specs, params, mesh):
+  """The layout the optimizer keeps its state in and computes its update in, as
+  PartitionSpecs like `param_specs`: over data replicas, each parameter's own spec with
+  `data` added as the major split of the first dimension it divides (ZeRO-1; MaxText's
+  `shard_optimizer_over_data`), so every replica updates a 1/data share; a parameter
+  that no dimension of divides (a scalar) keeps its spec and is updated whole."""
+  data = mesh.shape["data"]
+  if data == 1:
+    return param_specs
+
+  def f(spec, x):
+    entries = list(spec) + [None] * (len(x.shape) - len(spec))
+    for i, (entry, n) in enumerate(zip(entries, x.shape)):
+      axes = _axes(entry)
+      if "data" not in axes and n % (data * math.prod(mesh.shape[a] for a in axes)) == 0:
+        entries[i] = ("data", *axes) if axes else "data"
+        return P(*entries)
+    return spec
+
+  return jax.tree.map(f, param_specs, params, is_leaf=lambda x: isinstance(x, P))
+
+
+def data_dim(spec: P) -> int:
+  """The dimension a spec splits over `data`, or -1 (a tree leaf, where None is not)."""
+  return next((i for i, e in enumerate(spec) if "data" in _axes(e)), -1)
+
+
+def shards(logical: str) -> int:
+  """How many ways the current mesh splits a dimension of this logical axis that
+  divides (1 off a mesh)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  axes = _axes(RULES[logical])
+  return math.prod(mesh.shape[a] for a in axes if a not in _manual(mesh))
+
+
+class UpdateLayout:
+  """Where the optimizer works: each parameter's PartitionSpec and its update's
+  (`update_specs`), looked up by the parameter's path (optim.muon's stacks)."""
+
+  def __init__(self, param_specs, update_specs):
+    leaves = lambda t: jax.tree_util.tree_leaves_with_path(t, is_leaf=lambda x: isinstance(x, P))
+    self.update_specs = update_specs
+    self._specs = {_path_keys(path): (p, u) for (path, p), (_, u) in
+                   zip(leaves(param_specs), leaves(update_specs))}
+
+  def specs(self, path) -> tuple[P, P]:
+    return self._specs[_path_keys(path)]
 
 
 def optimizer_specs(tx, params, param_specs):

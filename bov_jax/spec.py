@@ -123,6 +123,7 @@ class OptimSpec:
   polar_dtype: str
   polar_gram: bool
   update_dtype: str          # Muon's final update
+  shard_optimizer: bool      # the update split over the mesh (step.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +255,8 @@ def _optim(o, backend: str, compute_dtype: str) -> OptimSpec:
       polar_gram=_tristate(o.polar_gram, backend == "cpu"),
       # the reference applies Muon's update in bfloat16 under bfloat16 compute
       update_dtype=(("bfloat16" if compute_dtype == "bfloat16" else "float32")
-                    if o.muon_update_dtype == "auto" else o.muon_update_dtype))
+                    if o.muon_update_dtype == "auto" else o.muon_update_dtype),
+      shard_optimizer=bool(o.shard_optimizer))
 
 
 def resolve(cfg, backend: str | None = None) -> RunSpec:

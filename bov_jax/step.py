@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from bov_jax import config as config_lib
 from bov_jax import model as model_lib
@@ -55,35 +56,86 @@ def batch_layout(spec: RunSpec, n_devices: int | None = None,
                      local_rows=per_device * n_local)
 
 
-def make_train_step(graphdef, tx):
+def make_train_step(graphdef, tx, update_specs=None):
   """step(params, opt_state, inputs [A, B, T], targets [A, B, T]) -> new state, metrics.
 
   Gradients are averaged over the A micro-batches with a lax.scan, so one compiled
-  step reaches train.batch_tokens whatever fits in memory.
+  step reaches train.batch_tokens whatever fits in memory. Over data replicas
+  (mesh.data > 1, the mesh set when the step is traced) each replica accumulates its
+  own rows' gradients and the replicas' sums are reduced once, after the loop (MaxText's
+  utils/gradient_accumulation.py): into the shares of `update_specs` (a PartitionSpec
+  per parameter, `sharding.update_specs`), where the optimizer then updates each
+  replica's share and the new parameters are gathered; without it, all-reduced whole.
   """
 
-  def loss_fn(params, x, y):
-    return nnx.merge(graphdef, params).loss(x, y)
+  def loss_fn(params, x, y, weight=None):
+    loss = nnx.merge(graphdef, params).loss(x, y)
+    return loss if weight is None else weight * loss
 
-  def step(params, opt_state, inputs, targets):
+  def accumulate(params, inputs, targets, weigh=None):
+    """(mean loss, mean gradients) over the micro-batches; `weigh(y)` scales a
+    micro-batch's loss (its share of the targets of all replicas)."""
     grad_fn = jax.value_and_grad(loss_fn)
+    w = (lambda y: None) if weigh is None else weigh
 
     def micro(acc, xy):
-      loss, grads = grad_fn(params, *xy)
+      loss, grads = grad_fn(params, *xy, w(xy[1]))
       return jax.tree.map(jnp.add, acc, (loss, grads)), None
 
     n = inputs.shape[0]
     if n == 1:  # no accumulation loop to pay for
-      loss, grads = grad_fn(params, inputs[0], targets[0])
+      return grad_fn(params, inputs[0], targets[0], w(targets[0])), n
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    return jax.lax.scan(micro, zeros, (inputs, targets))[0], n
+
+  def data_parallel(params, inputs, targets, mesh):
+    """accumulate() inside a shard_map over `data`: each replica's gradients stay its
+    own through the loop, then one reduce-scatter (or all-reduce) over the replicas."""
+    specs = (jax.tree.map(lambda _: P(), params) if update_specs is None else update_specs)
+    dims = jax.tree.map(sharding.data_dim, specs, is_leaf=lambda x: isinstance(x, P))
+
+    def reduce(g, dim):
+      if dim < 0:
+        return jax.lax.psum(g, "data")
+      return jax.lax.psum_scatter(g, "data", scatter_dimension=dim, tiled=True)
+
+    def local(params, inputs, targets):
+      weigh = lambda y: (jnp.sum(y >= 0) / jnp.maximum(jax.lax.psum(jnp.sum(y >= 0), "data"), 1)
+                         ).astype(jnp.float32)
+      (loss, grads), n = accumulate(params, inputs, targets, weigh)
+      return jax.lax.psum(loss, "data") / n, jax.tree.map(lambda g, d: reduce(g, d) / n,
+                                                          grads, dims)
+
+    out_specs = jax.tree.map(lambda d: P() if d < 0 else P(*([None] * d), "data"), dims)
+    rows = P(None, "data")
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), rows, rows),
+                         out_specs=(P(), out_specs), axis_names={"data"},
+                         check_vma=False)(params, inputs, targets)
+
+  def step(params, opt_state, inputs, targets):
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.shape["data"] > 1:
+      loss, grads = data_parallel(params, inputs, targets, mesh)
     else:
-      zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-      (loss, grads), _ = jax.lax.scan(micro, zeros, (inputs, targets))
-      loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+      (loss, grads), n = accumulate(params, inputs, targets)
+      if n > 1:
+        loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
+    params, opt_state = update(grads, opt_state, params)
     return params, opt_state, {"train_loss": loss}
 
+  update = make_update(tx)
   return step
+
+
+def make_update(tx):
+  """update(mean gradients, opt_state, params) -> (params, opt_state): the optimizer's
+  part of the train step."""
+
+  def update(grads, opt_state, params):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return update
 
 
 def make_eval_step(graphdef):
@@ -124,9 +176,11 @@ class TrainSetup:
   opt_state: object
   param_shardings: object
   opt_shardings: object
+  grad_shardings: object  # where the train step's mean gradients reach the optimizer
   layout: BatchLayout
   train_step: object  # jitted (params, opt_state, inputs, targets); donates the state
   eval_step: object   # jitted (params, inputs, targets, token_bytes)
+  update_step: object  # jitted (grads, opt_state, params): the train step's optimizer part
 
 
 def build(spec: RunSpec, mesh, num_iterations: int, key=None, init: bool = True) -> TrainSetup:
@@ -138,17 +192,25 @@ def build(spec: RunSpec, mesh, num_iterations: int, key=None, init: bool = True)
   key = jax.random.key(spec.train.seed) if key is None else key
   graphdef, params, p_sh = (init_params(spec, mesh, key) if init
                             else abstract_params(spec, mesh))
-  tx = optim.make(spec.optim, num_iterations, plan.hyperparams(spec))
+  param_specs = sharding.param_specs_of(p_sh)
+  split = (sharding.UpdateLayout(param_specs, sharding.update_specs(param_specs, params, mesh))
+           if spec.optim.shard_optimizer and mesh.size > 1 else None)
+  u_specs = None if split is None else split.update_specs
+  tx = optim.make(spec.optim, num_iterations, plan.hyperparams(spec), split)
   with jax.set_mesh(mesh):
-    abstract, specs = sharding.optimizer_specs(tx, params, sharding.param_specs_of(p_sh))
+    abstract, specs = sharding.optimizer_specs(tx, params, u_specs or param_specs)
     o_sh = sharding.named(mesh, specs)
     opt_state = (jax.jit(tx.init, out_shardings=o_sh)(params) if init else
                  jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract, o_sh))
   batch_sh = sharding.batch_sharding(mesh, leading_dims=2)
-  train_step = jax.jit(make_train_step(graphdef, tx),
+  train_step = jax.jit(make_train_step(graphdef, tx, u_specs),
                        in_shardings=(p_sh, o_sh, batch_sh, batch_sh),
                        out_shardings=(p_sh, o_sh, None), donate_argnums=(0, 1))
+  g_sh = p_sh if u_specs is None else sharding.named(mesh, u_specs)
+  update_step = jax.jit(make_update(tx), in_shardings=(g_sh, o_sh, p_sh),
+                        out_shardings=(p_sh, o_sh))
   return TrainSetup(graphdef=graphdef, tx=tx, params=params, opt_state=opt_state,
-                 param_shardings=p_sh, opt_shardings=o_sh, layout=layout,
-                 train_step=train_step, eval_step=jax.jit(make_eval_step(graphdef)))
+                    param_shardings=p_sh, opt_shardings=o_sh, grad_shardings=g_sh,
+                    layout=layout, train_step=train_step,
+                    eval_step=jax.jit(make_eval_step(graphdef)), update_step=update_step)
