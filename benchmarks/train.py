@@ -49,7 +49,8 @@ def bench_train(spec, steps: int, warmup: int, reference: str | None = None,
   if profile:
     with jax.profiler.trace(profile, create_perfetto_trace=True):
       stepper.run()
-    print(profile_lib.profile_summary(profile), file=sys.stderr, flush=True)
+    hlo = stepper.compiled_text() if jax.devices()[0].platform == "cpu" else None
+    print(profile_lib.profile_summary(profile, hlo_text=hlo), file=sys.stderr, flush=True)
   tps = spec.train.batch_tokens / dt["bov_jax"]
   rec.update(step_s=dt["bov_jax"], tokens_per_s=tps, achieved_flops=tps * rec["flops_per_token"],
              mfu=tps * rec["flops_per_token"] / rec["peak_flops"])

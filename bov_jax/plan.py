@@ -98,15 +98,17 @@ def _devices(spec: spec_lib.RunSpec) -> int:
 
 def memory_per_device(spec: spec_lib.RunSpec, num_iterations: int = 100) -> dict:
   """Parameter and optimizer-state bytes one device holds under the configured mesh,
-  from the real sharding rules applied to abstract shapes (nothing is allocated)."""
+  from the real sharding rules applied to abstract shapes (nothing is allocated); the
+  optimizer state split over data replicas too where optim.shard_optimizer says so."""
   mesh = _MeshSizes(sharding.mesh_shape(spec.mesh, _devices(spec)))
   abstract = nnx.state(model_lib.abstract(spec.model))
   specs = sharding.param_specs(abstract, mesh)
   params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
                         nnx.to_pure_dict(abstract))
   hp = {k: 1e-3 for k in list(optim.ADAM_GROUPS) + ["muon", "muon_weight_decay"]}
+  kept = sharding.update_specs(specs, params, mesh) if spec.optim.shard_optimizer else specs
   opt, opt_specs = sharding.optimizer_specs(optim.make(spec.optim, num_iterations, hp),
-                                            params, specs)
+                                            params, kept)
   return {"mesh": dict(mesh.shape),
           "param_bytes_per_device": sharding.bytes_per_device(params, specs, mesh.shape),
           "optimizer_bytes_per_device": sharding.bytes_per_device(opt, opt_specs, mesh.shape)}

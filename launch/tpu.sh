@@ -152,12 +152,15 @@ cmd_setup() {
   run_cmd gcloud compute tpus tpu-vm scp "$tarball" "$TPU_NAME:~/bov_jax_code.tgz" \
     --project="$PROJECT" --zone="$ZONE" --worker=all
   rm -rf "$tmp"
-  # The runtime set and TPU jax only (not the test tools).
-  tpu_ssh all "mkdir -p ~/$REMOTE_DIR && tar -xzf ~/bov_jax_code.tgz -C ~/$REMOTE_DIR && cd ~/$REMOTE_DIR && python3 -m pip install -q '.[tpu]'"
+  # The runtime set and TPU jax only (not the test tools), in a virtualenv of Python 3.12
+  # (JAX 0.11 and newer need it; the TPU images' own Python is older): uv brings both.
+  tpu_ssh all "mkdir -p ~/$REMOTE_DIR && tar -xzf ~/bov_jax_code.tgz -C ~/$REMOTE_DIR && cd ~/$REMOTE_DIR && python3 -m pip install -q --user uv && python3 -m uv venv -q --allow-existing --python 3.12 .venv && python3 -m uv pip install -q --python .venv/bin/python '.[tpu]'"
 }
 
+REMOTE_PY=.venv/bin/python  # the workers' interpreter, in ~/$REMOTE_DIR (cmd_setup)
+
 main_command() {  # the training command line every worker runs
-  printf 'python3 -m bov_jax.main --workdir=%q%s' "$WORKDIR" "$(quote_args "$@")"
+  printf '%s -m bov_jax.main --workdir=%q%s' "$REMOTE_PY" "$WORKDIR" "$(quote_args "$@")"
 }
 
 cmd_run() {
@@ -248,7 +251,7 @@ cmd_sweep() {
   # One detached job on every worker runs the points in turn (each point uses the whole
   # pod), skipping finished ones, so running it again resumes the sweep; each point's
   # output goes to its run directory (log.txt).
-  tpu_ssh all "cd ~/$REMOTE_DIR && nohup python3 -m bov_jax.sweep$(quote_args "$@") --local --workdir_root=$(printf '%q' "$WORKDIR") > ~/bov_jax_sweep.log 2>&1 &"
+  tpu_ssh all "cd ~/$REMOTE_DIR && nohup $REMOTE_PY -m bov_jax.sweep$(quote_args "$@") --local --workdir_root=$(printf '%q' "$WORKDIR") > ~/bov_jax_sweep.log 2>&1 &"
 }
 
 cmd_logs() {

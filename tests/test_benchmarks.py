@@ -66,7 +66,7 @@ def test_bench_train_against_the_torch_transcription():
   assert rec["speedup_vs_reference"] == rec["tokens_per_s"] / ref["tokens_per_s"]
 
 
-def _summary_of(tmp_path, events):
+def _summary_of(tmp_path, events, **kw):
   """profile_summary of a Perfetto trace holding these events, laid out as
   jax.profiler lays out its files."""
   import gzip
@@ -76,7 +76,7 @@ def _summary_of(tmp_path, events):
   d.mkdir(parents=True)
   with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
     json.dump({"traceEvents": events}, f)
-  return profile.profile_summary(str(tmp_path))
+  return profile.profile_summary(str(tmp_path), **kw)
 
 
 def test_profile_summary_counts_device_streams_by_kind(tmp_path):
@@ -113,6 +113,38 @@ def test_profile_summary_on_cpu_names_ops_without_guessing_kinds(tmp_path):
   assert text.startswith("profile: 0.5 ms")
   assert "0.40 ms  80.0%  ynn_fusion.2" in text
   assert "ThunkExecutor" not in text and "matmul" not in text and "elementwise" not in text
+
+
+def test_profile_summary_on_cpu_counts_each_op_once_by_its_hlo_kind(tmp_path):
+  """With the compiled step's HLO, each op's kind comes from what it computes; a loop's
+  event holds its body's ops and is not counted again; the profiler's own
+  "/device:CUSTOM" rows are no device."""
+  hlo = """HloModule m
+%fused_computation.2 (p0: f32[4,4], p1: f32[4,4]) -> f32[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  %p1 = f32[4,4]{1,0} parameter(1)
+  ROOT %dot.1 = f32[4,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+ENTRY %main (a: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %ynn_fusion.2 = f32[4,4]{1,0} fusion(%a, %a), kind=kCustom, calls=%fused_computation.2
+  ROOT %add_fusion = f32[4,4]{1,0} add(%ynn_fusion.2, %a)
+}
+"""
+  events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:CUSTOM:Megascale Trace"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 2, "tid": 3, "name": "thread_name", "args": {"name": "tf_XLAEigen/1"}},
+            {"ph": "X", "pid": 2, "tid": 3, "ts": 0, "dur": 900, "name": "while.1"},
+            {"ph": "X", "pid": 2, "tid": 3, "ts": 10, "dur": 600, "name": "ynn_fusion.2"},
+            {"ph": "X", "pid": 2, "tid": 3, "ts": 609, "dur": 1, "name": "end: ynn_fusion.2"},
+            {"ph": "X", "pid": 2, "tid": 3, "ts": 700, "dur": 200, "name": "add_fusion"}]
+  for e in events[3:]:  # the CPU runtime's tag on the ops it runs (not on markers)
+    if not e["name"].startswith("end"):
+      e["args"] = {"hlo_op": e["name"]}
+  text = _summary_of(tmp_path, events, hlo_text=hlo)
+  assert text.startswith("profile: 0.8 ms")
+  assert "0.60 ms  75.0%  matmul" in text and "0.20 ms  25.0%  elementwise" in text
+  assert "while.1" not in text
 
 
 def test_hlo_dots_counts_each_matmul_by_its_loops():

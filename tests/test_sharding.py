@@ -192,6 +192,14 @@ def test_plan_reports_bytes_per_device():
   assert b["param_bytes_per_device"] <= a["param_bytes_per_device"] / 8 * 1.05
   assert b["optimizer_bytes_per_device"] <= a["optimizer_bytes_per_device"] / 8 * 1.05
   assert a["optimizer_bytes_per_device"] > a["param_bytes_per_device"]  # moments + Muon buffers
+  replicas = config_lib.depth_config(24, "gpt_base_v_from_value_emb_learn")
+  replicas.mesh.data, replicas.mesh.fsdp, replicas.mesh.tensor = 8, 1, 1
+  c = plan.memory_per_device(run_spec(replicas))  # the optimizer's state split, not the weights
+  assert c["param_bytes_per_device"] == a["param_bytes_per_device"]
+  assert c["optimizer_bytes_per_device"] <= a["optimizer_bytes_per_device"] / 8 * 1.05
+  replicas.optim.shard_optimizer = False
+  d = plan.memory_per_device(run_spec(replicas))
+  assert d["optimizer_bytes_per_device"] == a["optimizer_bytes_per_device"]
 
 
 @pytest.mark.slow
