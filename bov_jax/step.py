@@ -100,8 +100,8 @@ def make_train_step(graphdef, tx, update_specs=None):
       return jax.lax.psum_scatter(g, "data", scatter_dimension=dim, tiled=True)
 
     def local(params, inputs, targets):
-      weigh = lambda y: (jnp.sum(y >= 0) / jnp.maximum(jax.lax.psum(jnp.sum(y >= 0), "data"), 1)
-                         ).astype(jnp.float32)
+      # a micro-batch's loss counts by its share of every replica's targets
+      weigh = lambda y: jnp.sum(y >= 0) / jnp.maximum(jax.lax.psum(jnp.sum(y >= 0), "data"), 1)
       (loss, grads), n = accumulate(params, inputs, targets, weigh)
       return jax.lax.psum(loss, "data") / n, jax.tree.map(lambda g, d: reduce(g, d) / n,
                                                           grads, dims)
@@ -111,6 +111,8 @@ def make_train_step(graphdef, tx, update_specs=None):
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), rows, rows),
                          out_specs=(P(), out_specs), axis_names={"data"},
                          check_vma=False)(params, inputs, targets)
+
+  update = make_update(tx)
 
   def step(params, opt_state, inputs, targets):
     mesh = jax.sharding.get_abstract_mesh()
@@ -123,7 +125,6 @@ def make_train_step(graphdef, tx, update_specs=None):
     params, opt_state = update(grads, opt_state, params)
     return params, opt_state, {"train_loss": loss}
 
-  update = make_update(tx)
   return step
 
 
@@ -198,7 +199,8 @@ def build(spec: RunSpec, mesh, num_iterations: int, key=None, init: bool = True)
   u_specs = None if split is None else split.update_specs
   tx = optim.make(spec.optim, num_iterations, plan.hyperparams(spec), split)
   with jax.set_mesh(mesh):
-    abstract, specs = sharding.optimizer_specs(tx, params, u_specs or param_specs)
+    abstract, specs = sharding.optimizer_specs(tx, params,
+                                               param_specs if split is None else u_specs)
     o_sh = sharding.named(mesh, specs)
     opt_state = (jax.jit(tx.init, out_shardings=o_sh)(params) if init else
                  jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
