@@ -203,22 +203,63 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
     u = lr_u * x_u + lr_u * wd_u * p_u * mask.astype(update_dtype)
     return (-u).astype(p.dtype)
 
-  def split_stack(gs, bufs, bufs2, ps, m, lr_eff, wd, specs, n_shards):
-    """One group's updates and buffers, its stack split over the devices. specs: the
-    group's (parameter, update) PartitionSpecs."""
-    us, bufs = zip(*(muon_momentum_step(g, b, m) for g, b in zip(gs, bufs)))
-    pad = -len(gs) % n_shards
+  def split(paths, gs, bufs, bufs2, ps, lr, m, wd, n_shards):
+    """Every matrix's update and buffers, the work split over the devices: the matrices
+    of one shape and layout stacked (a tall one transposed: its direction is the
+    transpose of its transpose's, variance reduction included, so each MLP's two
+    matrices share a stack and pad it once), the stack split over the devices."""
+    n = len(gs)
+    upd, new_bufs, new_bufs2 = [None] * n, [None] * n, [None] * n
+    groups = {}
+    for k, g in enumerate(gs):
+      tall = g.shape[0] > g.shape[1]
+      wide = lambda spec: P(*reversed(tuple(spec) + (None,) * (2 - len(spec)))) if tall else spec
+      key = (g.shape[::-1] if tall else g.shape, *map(wide, layout.specs(paths[k])))
+      groups.setdefault(key, []).append((k, tall))
+    for (_, p_spec, u_spec), members in groups.items():
+      pad = -len(members) % n_shards
+      t = lambda x, tall: x.T if tall else x
 
-    def stack(xs, spec=None):  # stacked where each matrix is, then split by matrices
-      xs = jnp.stack(list(xs) + [jnp.zeros_like(xs[0])] * pad)
-      if spec is not None:
-        xs = jax.lax.with_sharding_constraint(xs, P(None, *spec))
-      return sharding.constrain(xs, ("stack", None, None))
+      def stack(xs, spec=None):  # stacked where each matrix is, then split by matrices
+        xs = jnp.stack(xs + [jnp.zeros_like(xs[0])] * pad)
+        if spec is not None:
+          xs = jax.lax.with_sharding_constraint(xs, P(None, *spec))
+        return sharding.constrain(xs, ("stack", None, None))
 
-    x, b2 = jax.vmap(ortho)(stack(us, specs[1]), stack(bufs2))
-    upd = jax.vmap(apply, in_axes=(0, 0, None, None))(x, stack(ps, specs[0]), lr_eff, wd)
-    upd = jax.lax.with_sharding_constraint(upd, P(None, *specs[0]))
-    return [(upd[j], bufs[j], b2[j]) for j in range(len(gs))]
+      us = []
+      for k, tall in members:
+        u, new_bufs[k] = muon_momentum_step(gs[k], bufs[k], m)
+        us.append(t(u, tall))
+      x, b2 = jax.vmap(ortho)(stack(us, u_spec), stack([t(bufs2[k], tl) for k, tl in members]))
+      lr_eff = jnp.stack([lr * math.sqrt(max(1.0, gs[k].shape[1] / gs[k].shape[0]))
+                          for k, _ in members] + [lr] * pad)
+      u = jax.vmap(apply, in_axes=(0, 0, 0, None))(
+          x, stack([t(ps[k], tl) for k, tl in members], p_spec), lr_eff, wd)
+      u = jax.lax.with_sharding_constraint(u, P(None, *p_spec))
+      for j, (k, tall) in enumerate(members):
+        upd[k], new_bufs2[k] = t(u[j], tall), t(b2[j], tall)
+    return upd, new_bufs, new_bufs2
+
+  def local(gs, bufs, bufs2, ps, lr, m, wd):
+    """Every matrix's update and buffers on this device (stacked by shape when batched)."""
+    groups = {}
+    for k, g in enumerate(gs):
+      groups.setdefault(tuple(g.shape) if batched else k, []).append(k)
+    upd, new_bufs, new_bufs2 = [None] * len(gs), [None] * len(gs), [None] * len(gs)
+    for ks in groups.values():
+      fan_in, fan_out = gs[ks[0]].shape
+      lr_eff = lr * math.sqrt(max(1.0, fan_out / fan_in))
+      if len(ks) == 1:  # no stacking (a copy) for a matrix on its own
+        outs = [direction(gs[ks[0]], bufs[ks[0]], bufs2[ks[0]], m)]
+      else:
+        stacked = jax.vmap(direction, in_axes=(0, 0, 0, None))(
+            jnp.stack([gs[k] for k in ks]), jnp.stack([bufs[k] for k in ks]),
+            jnp.stack([bufs2[k] for k in ks]), m)
+        outs = [tuple(a[j] for a in stacked) for j in range(len(ks))]
+      for k, (x, b, b2) in zip(ks, outs):
+        new_bufs[k], new_bufs2[k] = b, b2
+        upd[k] = apply(x, ps[k], lr_eff, wd)
+    return upd, new_bufs, new_bufs2
 
   def init(params):
     return MuonState(
@@ -237,32 +278,11 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
     s_leaves = treedef.flatten_up_to(state.second)
     p_leaves = treedef.flatten_up_to(params)
     n_shards = sharding.shards("stack") if layout is not None else 1
-    specs = [layout.specs(path) if n_shards > 1 else None for path, _ in paths_g]
-    groups = {}
-    for k, g in enumerate(g_leaves):
-      key = (tuple(g.shape), specs[k]) if batched or n_shards > 1 else k
-      groups.setdefault(key, []).append(k)
-    upd, bufs, bufs2 = [None] * len(g_leaves), [None] * len(g_leaves), [None] * len(g_leaves)
-    for ks in groups.values():
-      fan_in, fan_out = g_leaves[ks[0]].shape
-      lr_eff = lr * math.sqrt(max(1.0, fan_out / fan_in))
-      if n_shards > 1:
-        pick = lambda leaves: [leaves[k] for k in ks]
-        for k, (u, b, b2) in zip(ks, split_stack(pick(g_leaves), pick(b_leaves),
-                                                 pick(s_leaves), pick(p_leaves), m, lr_eff,
-                                                 wd, specs[ks[0]], n_shards)):
-          upd[k], bufs[k], bufs2[k] = u, b, b2
-        continue
-      if len(ks) == 1:  # no stacking (a copy) for a matrix on its own
-        outs = [direction(g_leaves[ks[0]], b_leaves[ks[0]], s_leaves[ks[0]], m)]
-      else:
-        stacked = jax.vmap(direction, in_axes=(0, 0, 0, None))(
-            jnp.stack([g_leaves[k] for k in ks]), jnp.stack([b_leaves[k] for k in ks]),
-            jnp.stack([s_leaves[k] for k in ks]), m)
-        outs = [tuple(a[j] for a in stacked) for j in range(len(ks))]
-      for k, (x, b, b2) in zip(ks, outs):
-        bufs[k], bufs2[k] = b, b2
-        upd[k] = apply(x, p_leaves[k], lr_eff, wd)
+    if n_shards > 1:
+      upd, bufs, bufs2 = split([path for path, _ in paths_g], g_leaves, b_leaves, s_leaves,
+                               p_leaves, lr, m, wd, n_shards)
+    else:
+      upd, bufs, bufs2 = local(g_leaves, b_leaves, s_leaves, p_leaves, lr, m, wd)
     unflat = lambda xs: jax.tree.unflatten(treedef, xs)
     return unflat(upd), MuonState(it + 1, unflat(bufs), unflat(bufs2))
 

@@ -124,7 +124,7 @@ def test_a_run_that_does_not_fit_stops_before_any_gcloud_command():
   """run compiles the run for ACCELERATOR_TYPE on this host first (--mode=compile): a
   device batch whose eval step overflows a v5e chip's HBM stops it, exit 1, nothing
   sent to gcloud."""
-  big = ("--config.train.device_batch_size=8192", "--config.train.batch_tokens=8388608")
+  big = ("--config.train.device_batch_size=16384", "--config.train.batch_tokens=16777216")
   for sub in ("run", "create"):
     out = _tpu(sub, "--config=configs/tiny.py", *big, timeout=600, SKIP_COMPILE_CHECK=None,
                ACCELERATOR_TYPE="v5litepod-4", COMPILE_PROGRAMS="eval", PYTHON=VENV_PYTHON,
