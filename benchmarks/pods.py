@@ -81,11 +81,31 @@ def collectives(hlo_text: str) -> dict:
       seen.add(chain and chain.groups())
       result, kind, start = m.groups()
       shapes = [(t, d) for t, d in _SHAPE.findall(result) if d]  # u32[] are sync flags
+      scale = 1
       if start and len(shapes) > 1:  # an async start's (operands, results) tuple
         half = len(shapes) // 2
         shapes = shapes[half:] if kind == "all-gather" else shapes[:half]
-      out[_KINDS[kind]] += _bytes(" ".join(f"{t}[{d}]" for t, d in shapes)) * runs[comp]
+      elif kind == "reduce-scatter":  # its result: the operand over the group
+        scale = group_size(line)
+      out[_KINDS[kind]] += (_bytes(" ".join(f"{t}[{d}]" for t, d in shapes)) * scale
+                            * runs[comp])
   return dict(out)
+
+
+def group_size(line: str) -> int:
+  """The devices in each of a collective's replica groups, as the compiled HLO writes
+  them: `{{0,1,...},...}`, `[groups,size]<=[n]` or `mesh['data'=8,...] {'data'}`."""
+  m = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
+  if m:
+    return len(m.group(1).split(","))
+  m = re.search(r"replica_groups=\[\d+,(\d+)\]<=", line)
+  if m:
+    return int(m.group(1))
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
+  if m:
+    sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+    return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
+  raise ValueError(f"replica groups not understood: {line[:200]}")
 
 
 def floor(spec, report) -> dict:

@@ -239,3 +239,27 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 }
 """
   assert pods.collectives(hlo) == {"all_reduce": 4 * 8 * 4, "all_gather": 2 * 8 * 2}
+
+
+def test_collectives_count_a_chained_collective_once_and_a_reduce_scatter_by_its_operand():
+  """The TPU compiler runs a large all-gather in steps fused with other work, each
+  carrying the whole result and the same channel and chain: one collective. A
+  reduce-scatter's result is its operand over the group."""
+  from benchmarks import pods
+  step = ("bf16[64,8]{{1,0}} all-gather(%p{i}), channel_id=7, replica_groups=mesh['data'=8,"
+          "'fsdp'=1,'tensor'=1] {{'data'}}, dimensions={{0}}, frontend_attributes={{chain_id=\"0\"}}")
+  hlo = "HloModule m\n\n" + "\n".join(
+      f"%async_collective_fusion.{i} (p{i}: bf16[8,8]) -> bf16[64,8] {{\n"
+      f"  %p{i} = bf16[8,8]{{1,0}} parameter(0)\n  ROOT %ag{i} = {step.format(i=i)}\n}}\n"
+      for i in range(3)) + """
+ENTRY %main (a: bf16[8,8], b: f32[64,4]) -> f32[8,4] {
+  %a = bf16[8,8]{1,0} parameter(0)
+  %b = f32[64,4]{1,0} parameter(1)
+  %f0 = bf16[64,8]{1,0} fusion(%a), kind=kCustom, calls=%async_collective_fusion.0
+  %f1 = bf16[64,8]{1,0} fusion(%a), kind=kCustom, calls=%async_collective_fusion.1
+  %f2 = bf16[64,8]{1,0} fusion(%a), kind=kCustom, calls=%async_collective_fusion.2
+  ROOT %rs = f32[8,4]{1,0} reduce-scatter(%b), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%add
+}
+"""
+  assert pods.collectives(hlo) == {"all_gather": 64 * 8 * 2, "reduce_scatter": 64 * 4 * 4}
+  assert pods.group_size("replica_groups=[2,4]<=[8], dimensions={0}") == 4
