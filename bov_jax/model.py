@@ -181,7 +181,7 @@ class GPT(nnx.Module):
     prev_BD is the pre-smear embedding of the token before idx[:, 0] (decoding);
     without it position 0 is left unchanged.
     """
-    x = rmsnorm(self.wte[...].astype(self.compute_dtype)[idx_BT])
+    x = rmsnorm(sharding.embedding_lookup(self.wte[...].astype(self.compute_dtype), idx_BT))
     if prev_BD is None:
       prev = jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
       has_prev = (jnp.arange(x.shape[1]) >= 1)[None, :, None]

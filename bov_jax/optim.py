@@ -214,9 +214,12 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
     for k, g in enumerate(gs):
       tall = g.shape[0] > g.shape[1]
       wide = lambda spec: P(*reversed(tuple(spec) + (None,) * (2 - len(spec)))) if tall else spec
-      key = (g.shape[::-1] if tall else g.shape, *map(wide, layout.specs(paths[k])))
-      groups.setdefault(key, []).append((k, tall))
-    for (_, p_spec, u_spec), members in groups.items():
+      p_spec, u_spec = map(wide, layout.specs(paths[k]))
+      groups.setdefault((g.shape[::-1] if tall else g.shape, p_spec), []).append((k, tall, u_spec))
+    for (_, p_spec), members in groups.items():
+      u_specs = {u_spec for _, _, u_spec in members}  # where the momentum step leaves them
+      u_spec = u_specs.pop() if len(u_specs) == 1 else None
+      members = [(k, tall) for k, tall, _ in members]
       pad = -len(members) % n_shards
       t = lambda x, tall: x.T if tall else x
 

@@ -76,6 +76,18 @@ def _manual(mesh) -> tuple:
   return tuple(getattr(mesh, "manual_axes", ()))
 
 
+def in_shard_map() -> bool:
+  """Whether this is traced inside a shard_map over part of the mesh (the data-parallel
+  step's): there XLA's partitioner fails a check partitioning a gather from an array
+  split over both other axes (data x fsdp x tensor), so gathers take other forms."""
+  return bool(_manual(jax.sharding.get_abstract_mesh()))
+
+
+def free_axes(mesh) -> set:
+  """The mesh axes a shard_map here may take: those no enclosing shard_map has."""
+  return set(mesh.axis_names) - set(_manual(mesh))
+
+
 def logical_to_spec(logical, shape, mesh) -> P:
   """Mesh axes for a parameter; an axis that does not divide stays replicated, and so
   does one a shard_map around the caller has taken (its shards are already local)."""
@@ -144,7 +156,8 @@ def global_batch(local: np.ndarray, mesh, leading_dims: int = 1):
 #              what moves is one copy of the rows looked up, never the table. The
 #              backward is the same in reverse and a local scatter-add. The default
 #              (`auto`); a plain gather where the table is not split.
-#   gather     jnp.take under the compiler's sharding propagation.
+#   gather     jnp.take under the compiler's sharding propagation (shard_map's form under
+#              an enclosing shard_map: see `embedding_lookup`).
 #   one_hot    one_hot(idx) @ E: a matmul, which all-gathers a split table.
 # Tables kept in host memory (`on_host`: inference only, sample.tables_on_host) are
 # gathered there whatever the setting; only the rows move to the device.
@@ -223,7 +236,7 @@ def table_lookup(table_VF, idx_BT, impl: str = "shard_map", on_host: bool = Fals
     return _host_take(table_VF, idx_BT)
   if impl == "one_hot":
     return jax.nn.one_hot(idx_BT, table_VF.shape[0], dtype=table_VF.dtype) @ table_VF
-  if mesh.empty or impl == "gather":
+  if mesh.empty or (impl == "gather" and not in_shard_map()):
     return jnp.take(table_VF, idx_BT, axis=0)
   vocab, width = table_axes(mesh, table_VF.shape)
   if not vocab and not width:
@@ -253,8 +266,13 @@ def table_lookup(table_VF, idx_BT, impl: str = "shard_map", on_host: bool = Fals
   return jax.shard_map(
       local, mesh=mesh,
       in_specs=(P(vocab or None, width or None), P(bspec, None)),
-      out_specs=P(bspec, None, None),
+      out_specs=P(bspec, None, None), axis_names=free_axes(mesh),
       check_vma=False)(table_VF, idx_BT)
+
+
+def embedding_lookup(table_VD, idx_BT):
+  """table[idx]; inside a shard_map (`in_shard_map`) by `table_lookup`'s own."""
+  return table_lookup(table_VD, idx_BT) if in_shard_map() else table_VD[idx_BT]
 
 
 def _path_keys(path) -> tuple:

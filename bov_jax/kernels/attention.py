@@ -209,4 +209,5 @@ def _splash_sharded(q_BTHE, k_BTKE, v_BTKE, window: int, interpret: bool, block:
   return jax.shard_map(functools.partial(_splash, window=window, interpret=interpret,
                                          block=block), mesh=mesh,
                        in_specs=(spec, spec, spec), out_specs=P(batch or None, None, heads),
-                       check_vma=False)(q_BTHE, k_BTKE, v_BTKE)
+                       axis_names=sharding.free_axes(mesh), check_vma=False)(q_BTHE, k_BTKE,
+                                                                             v_BTKE)

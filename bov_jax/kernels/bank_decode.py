@@ -157,9 +157,10 @@ def attend(q_BTHE, k_NSE, ids_BS, table_VF, qpos_B, window: int, gamma=None,
 
   if batch_axes or vocab:
     rows = P(batch_axes or None)  # rows n = b * K + h: a batch split keeps a sequence's rows
-    local = jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
+    mesh = jax.sharding.get_abstract_mesh()
+    local = jax.shard_map(local, mesh=mesh,
                           in_specs=(rows, rows, rows, P(vocab or None, None), rows),
-                          out_specs=rows, check_vma=False)
+                          out_specs=rows, axis_names=sharding.free_axes(mesh), check_vma=False)
   out = local(q_NGE, k_NSE, ids_BS, table_VF, qpos_B)
   if gamma is not None:
     out = gamma.astype(out.dtype) * out

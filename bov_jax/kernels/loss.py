@@ -26,6 +26,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from bov_jax import sharding
+
 SOFTCAP = 15.0  # logits = 15 tanh(z / 15), as the reference's gpt.py
 
 
@@ -47,8 +49,12 @@ def _chunk_nll(hc, yc, wv):
   e = jnp.exp(SOFTCAP * t - SOFTCAP)
   s = jnp.sum(e, axis=-1)
   # A gather of c values (never differentiated: the gradients are written by
-  # hand) instead of a select over the whole [c, V] chunk.
-  ty = jnp.take_along_axis(t, jnp.maximum(yc, 0)[:, None], axis=1)[:, 0]
+  # hand) instead of a select over the whole [c, V] chunk, but inside a shard_map,
+  # where XLA cannot split that gather (sharding.in_shard_map).
+  if sharding.in_shard_map():
+    ty = jnp.sum(jnp.where(jnp.arange(t.shape[1]) == yc[:, None], t, 0.0), axis=1)
+  else:
+    ty = jnp.take_along_axis(t, jnp.maximum(yc, 0)[:, None], axis=1)[:, 0]
   nll = jnp.log(s) + SOFTCAP - SOFTCAP * ty
   return jnp.where(yc >= 0, nll, 0.0), t, e, s
 
