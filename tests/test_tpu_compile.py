@@ -78,19 +78,66 @@ def test_train_step_compiles_with_splash_for_a_tpu():
   assert fig["compile_s"] > 0
 
 
-@pytest.mark.slow
-def test_a_data_parallel_step_gathers_nothing():
-  """Split over data alone, a train step only all-reduces gradients: the cross-entropy's
-  chunks run along positions, so no device gathers the batch's hidden states (a scan
-  along the split batch did, for the whole global batch on every chip)."""
+def _dp_config():
+  """Data parallel on a v5e-4, two micro-batches of 384 positions (no activation is the
+  shape of a parameter or of a stack of them)."""
   cfg = _config(data=4)
   cfg.model.loss_chunk = 128  # several chunks per device
+  cfg.model.sequence_len = 384
+  cfg.train.batch_tokens, cfg.train.device_batch_size = 384 * 8, 1
+  return cfg
+
+
+def _data_parallel_step(shard_optimizer):
+  """A data-parallel train step's compiled HLO."""
+  cfg = _dp_config()
+  cfg.optim.shard_optimizer = shard_optimizer
   spec = spec_lib.resolve(cfg, backend="tpu")
   devices, _ = aot.devices("v5e-4")
-  _, lowered = aot.train_programs(spec, aot.sharding.make_mesh(spec.mesh, devices))
-  hlo = aot.compile_lowered(lowered["train_step"])[1].as_text()
-  kinds = re.findall(r"= .*? (all-gather|reduce-scatter|all-reduce|all-to-all)(?:-start)?\(", hlo)
-  assert "all-reduce" in kinds and "all-gather" not in kinds, sorted(set(kinds))
+  layout, lowered = aot.train_programs(spec, aot.sharding.make_mesh(spec.mesh, devices))
+  assert layout.accum == 2
+  return aot.compile_lowered(lowered["train_step"])[1].as_text()
+
+
+def _collectives(hlo):
+  """[(kind, result shapes, runs a step)], runs counted as benchmarks.pods counts them."""
+  from benchmarks.dots import hlo_runs
+  comps, runs = hlo_runs(hlo)
+  out = []
+  for comp, lines in comps.items():
+    for line in lines:
+      m = re.search(r"= (.*?) (all-gather|reduce-scatter|all-reduce|all-to-all)(?:-start)?\(", line)
+      if m and runs[comp]:
+        shapes = [tuple(int(d) for d in dims.split(",")) for dims in
+                  re.findall(r"\w+\[([\d,]+)\]", m.group(1))]
+        out.append((m.group(2), shapes, runs[comp]))
+  return out
+
+
+@pytest.mark.slow
+def test_a_data_parallel_step_reduces_once_and_gathers_only_parameters():
+  """Split over data alone, a train step reduces its gradients once, after the
+  micro-batch loop (a scalar target count per micro-batch aside), and gathers nothing but
+  the parameters (optim.shard_optimizer: the updated shares; Muon's updates as stacks of
+  matrices): never the batch's hidden states (the cross-entropy's chunks run along
+  positions; a scan along the split batch gathered the whole global batch onto every
+  chip)."""
+  from tests.helpers import model_spec
+  m = model_spec(_dp_config())
+  kv = m.n_kv_head * m.head_dim
+  shapes = {(m.padded_vocab, m.n_embd), (m.n_embd, m.padded_vocab), (m.padded_vocab, kv)}
+  shapes |= {(a, b) for a in (m.n_embd, 4 * m.n_embd, kv) for b in (m.n_embd, 4 * m.n_embd, kv)}
+  for shard in (False, True):
+    found = _collectives(_data_parallel_step(shard))
+    big = [(kind, runs) for kind, sh, runs in found
+           if kind in ("all-reduce", "reduce-scatter") and any(len(s) > 1 for s in sh)]
+    assert big and all(runs == 1 for _, runs in big), (shard, big)
+    gathered = [s for kind, sh, _ in found if kind == "all-gather" for s in sh]
+    if not shard:
+      assert not gathered
+    else:
+      assert gathered and all(s in shapes or (len(s) == 3 and s[0] % 4 == 0 and s[1:] in shapes)
+                              for s in gathered), gathered
 
 
 @pytest.mark.slow
