@@ -68,14 +68,17 @@ _HLO_CALLS = re.compile(r"\b(calls|body|to_apply|condition|called_computations|"
 
 def _counted_trips(while_line: str, comps: dict) -> int:
   """A while loop's trips from its condition, where the compiler printed no
-  known_trip_count (the TPU compiler's modules): `counter < N` on the tuple's element 0,
-  with one s32 constant N, is lax.scan's and fori_loop's loop from 0 by 1. Else 1."""
+  known_trip_count (the TPU compiler's modules): `counter < N` on an element of the loop's
+  tuple, with one integer constant N, is lax.scan's and fori_loop's loop from 0 by 1 (an
+  s32 counter at element 0) and the TPU compiler's windowed matmuls' (a u32 counter, the
+  ring's steps). Else 1."""
   m = re.search(r"condition=%?([\w.\-]+)", while_line)
   cond = comps.get(m.group(1), []) if m else []
-  consts = [int(c) for line in cond for c in re.findall(r"s32\[\]\S* constant\((\d+)\)", line)]
+  consts = [int(c) for line in cond
+            for c in re.findall(r"[su]32\[\]\S* constant\((\d+)\)", line)]
   root = [line for line in cond if "ROOT" in line]
   if (len(consts) == 1 and root and "direction=LT" in root[0]
-      and any("get-tuple-element" in line and "index=0" in line for line in cond)):
+      and any("get-tuple-element" in line and "index=" in line for line in cond)):
     return consts[0]
   return 1
 

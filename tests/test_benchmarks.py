@@ -263,3 +263,32 @@ ENTRY %main (a: bf16[8,8], b: f32[64,4]) -> f32[8,4] {
 """
   assert pods.collectives(hlo) == {"all_gather": 64 * 8 * 2, "reduce_scatter": 64 * 4 * 4}
   assert pods.group_size("replica_groups=[2,4]<=[8], dimensions={0}") == 4
+
+
+def test_hlo_runs_counts_a_windowed_matmuls_ring():
+  """The TPU compiler's windowed matmuls loop on a u32 counter at any element of their
+  tuple (`counter < 16`): their permutes count 16 times."""
+  from benchmarks import pods
+  hlo = """HloModule m
+
+%cond (p: (bf16[4,8], u32[])) -> pred[] {
+  %c = u32[]{:T(128)} constant(16)
+  %p = (bf16[4,8], u32[]) parameter(0)
+  %i = u32[]{:T(128)} get-tuple-element(%p), index=1
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+%body (p: (bf16[4,8], u32[])) -> (bf16[4,8], u32[]) {
+  %p = (bf16[4,8], u32[]) parameter(0)
+  %x = bf16[4,8] get-tuple-element(%p), index=0
+  %r = bf16[4,8]{1,0} collective-permute(%x), channel_id=3, source_target_pairs={{0,1},{1,0}}
+  ROOT %t = (bf16[4,8], u32[]) tuple(%r, %i)
+}
+
+ENTRY %main (a: bf16[4,8]) -> bf16[4,8] {
+  %a = bf16[4,8] parameter(0)
+  %w = (bf16[4,8], u32[]) while(%init), condition=%cond, body=%body
+  ROOT %o = bf16[4,8] get-tuple-element(%w), index=0
+}
+"""
+  assert pods.collectives(hlo) == {"collective_permute": 16 * 4 * 8 * 2}
