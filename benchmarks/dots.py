@@ -69,18 +69,32 @@ _HLO_CALLS = re.compile(r"\b(calls|body|to_apply|condition|called_computations|"
 def _counted_trips(while_line: str, comps: dict) -> int:
   """A while loop's trips from its condition, where the compiler printed no
   known_trip_count (the TPU compiler's modules): `counter < N` on an element of the loop's
-  tuple, with one integer constant N, is lax.scan's and fori_loop's loop from 0 by 1 (an
-  s32 counter at element 0) and the TPU compiler's windowed matmuls' (a u32 counter, the
-  ring's steps). Else 1."""
+  tuple, with one integer constant N, counted from 0 by the constant the body adds to
+  that element (1 where it adds none it names): lax.scan's and fori_loop's loop (an s32
+  counter at element 0, by 1) and the TPU compiler's windowed matmuls' (a u32 counter,
+  by the ring steps each trip runs). Else 1."""
   m = re.search(r"condition=%?([\w.\-]+)", while_line)
   cond = comps.get(m.group(1), []) if m else []
   consts = [int(c) for line in cond
             for c in re.findall(r"[su]32\[\]\S* constant\((\d+)\)", line)]
   root = [line for line in cond if "ROOT" in line]
-  if (len(consts) == 1 and root and "direction=LT" in root[0]
-      and any("get-tuple-element" in line and "index=" in line for line in cond)):
-    return consts[0]
-  return 1
+  index = [re.search(r"index=(\d+)", line) for line in cond if "get-tuple-element" in line]
+  if not (len(consts) == 1 and root and "direction=LT" in root[0] and index and index[0]):
+    return 1
+  m = re.search(r"body=%?([\w.\-]+)", while_line)
+  body = comps.get(m.group(1), []) if m else []
+  name = lambda line: re.match(r"\s*(?:ROOT )?%([\w.\-]+) =", line)
+  counter = {name(line).group(1) for line in body if name(line) and "get-tuple-element(" in line
+             and f"index={index[0].group(1)}" in line}
+  values = {name(line).group(1): int(c.group(1)) for line in body if name(line)
+            and (c := re.search(r"[su]32\[\]\S* constant\((\d+)\)", line))}
+  lines = {name(line).group(1): line for line in body if name(line)}
+  root = next((line for line in body if line.lstrip().startswith("ROOT")), "")
+  out = re.search(r" tuple\((.*)\)", root)
+  nxt = out.group(1).split(", ")[int(index[0].group(1))].split()[-1].lstrip("%") if out else ""
+  add = re.search(r" add\(%([\w.\-]+), %([\w.\-]+)\)", lines.get(nxt, ""))
+  by = values.get(add.group(2), 1) if add and add.group(1) in counter else 1
+  return -(-consts[0] // max(by, 1))
 
 
 def hlo_runs(hlo_text: str) -> tuple[dict, collections.Counter]:

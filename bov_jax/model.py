@@ -317,11 +317,13 @@ class GPT(nnx.Module):
   def loss(self, idx_BT, targets_BT):
     """Mean cross-entropy over targets != -1 (its LM-head gradient is hand-written,
     kernels/loss.softcap_nll_sum)."""
-    h = self.hidden(idx_BT)
-    B, T, D = h.shape
-    total = loss_lib.softcap_nll_sum(h.reshape(B * T, D), self.lm_head[...],
-                                     targets_BT.reshape(-1), self.spec.vocab_size,
-                                     *self._loss_chunks(B))
+    def head_loss(h_BTD, y_BT, w_DV):
+      B, T, D = h_BTD.shape
+      return loss_lib.softcap_nll_sum(h_BTD.reshape(B * T, D), w_DV, y_BT.reshape(-1),
+                                      self.spec.vocab_size, *self._loss_chunks(B))
+
+    total = sharding.sum_over_rows(head_loss, (self.hidden(idx_BT), targets_BT),
+                                   (self.lm_head[...],))
     return total / jnp.maximum(jnp.sum(targets_BT >= 0), 1)
 
   def _loss_chunks(self, B: int) -> tuple[int, int]:

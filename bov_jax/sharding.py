@@ -270,6 +270,21 @@ def table_lookup(table_VF, idx_BT, impl: str = "shard_map", on_host: bool = Fals
       check_vma=False)(table_VF, idx_BT)
 
 
+def sum_over_rows(fn, rows, shared):
+  """fn(*rows, *shared), a scalar summed over the rows' leading (batch) axis. Where the
+  mesh splits that axis, each device runs fn on its own rows with `shared` whole (a
+  shard_map over the batch axes) and the sums are added: each device's contribution to
+  a shared input's gradient is then reduced once, not after every step of fn's loops
+  (under FSDP the LM head's gradient was reduce-scattered after every loss chunk)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = () if mesh.empty else batch_axes(mesh, rows[0].shape[0])
+  if not axes:
+    return fn(*rows, *shared)
+  body = lambda *args: jax.lax.psum(fn(*args), axes)
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(axes),) * len(rows) + (P(),) * len(shared),
+                       out_specs=P(), axis_names=set(axes), check_vma=False)(*rows, *shared)
+
+
 def embedding_lookup(table_VD, idx_BT):
   """table[idx]; inside a shard_map (`in_shard_map`) by `table_lookup`'s own."""
   return table_lookup(table_VD, idx_BT) if in_shard_map() else table_VD[idx_BT]
