@@ -14,8 +14,8 @@ FSDP, every block weight gathered for the forward and for the backward and its g
 reduce-scattered (per micro-batch); over data replicas, the gradients reduced once
 (reduce-scattered into the optimizer's shards and the new parameters all-gathered, or
 all-reduced where the update is not split), and `gathered_reduced_vs_floor`, the bytes
-gathered and reduced against the floor's (`all_vs_floor`: all-to-alls and permutes
-too). With the train step it compiles the update alone, as the step runs it
+gathered and reduced (permutes included) against the floor's (`all_vs_floor`: the
+all-to-alls too). With the train step it compiles the update alone, as the step runs it
 (`step.build`'s `update_step`): `optimizer_flops_per_chip` (the compiler's cost
 analysis) against `model_flops_per_chip` (`plan.flops_per_token` x `train.batch_tokens`
 / chips). One record per run.
@@ -143,7 +143,10 @@ def floor(spec, report) -> dict:
   return out
 
 
-GATHERED_REDUCED = ("all_gather", "reduce_scatter", "all_reduce")
+# What the floor counts: gathers and reductions, the TPU compiler's collective permutes
+# among them (the rings of its windowed matmuls, which gather FSDP's weights and
+# reduce-scatter their gradients); an all-to-all moves rows of a value table instead.
+GATHERED_REDUCED = ("all_gather", "reduce_scatter", "all_reduce", "collective_permute")
 
 
 def optimizer_flops(compiled_update) -> float:
