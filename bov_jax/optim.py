@@ -184,7 +184,7 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
   polar_dtype, polar_gram: see `polar_express`.
   update_dtype: the final update lr*X + lr*wd*p*mask is computed in this dtype (the
   reference: bfloat16 under bfloat16 compute, X, lr, wd and p cast first).
-  layout: a `sharding.UpdateLayout` (optim.shard_optimizer). On a mesh of several
+  layout: a `state_layout.UpdateLayout` (optim.shard_optimizer). On a mesh of several
   devices the matrices of one shape and layout are then stacked, the stack padded with
   zero matrices to a multiple of the devices and split over them
   (`sharding.RULES["stack"]`): each device orthogonalises and updates whole matrices of
@@ -339,7 +339,7 @@ def hyperparams(o, n_embd: int, batch_tokens: int, scaling_params: int,
 
 def make(o, num_iterations: int, hp: dict, layout=None) -> optax.GradientTransformation:
   """The whole optimizer for an OptimSpec `o`, with `hp` from `hyperparams`; `layout`
-  (a `sharding.UpdateLayout`) splits Muon's work over the mesh (optim.shard_optimizer)."""
+  (a `state_layout.UpdateLayout`) splits Muon's work over the mesh (optim.shard_optimizer)."""
   mult = lambda it: lr_multiplier(it, num_iterations, o.warmup_steps, o.warmdown_ratio,
                                   o.final_lr_frac)
   groups = {}

@@ -21,6 +21,7 @@ from bov_jax import model as model_lib
 from bov_jax import optim
 from bov_jax import sharding
 from bov_jax import spec as spec_lib
+from bov_jax import state_layout
 from bov_jax import values
 
 
@@ -106,12 +107,12 @@ def memory_per_device(spec: spec_lib.RunSpec, num_iterations: int = 100) -> dict
   params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
                         nnx.to_pure_dict(abstract))
   hp = {k: 1e-3 for k in list(optim.ADAM_GROUPS) + ["muon", "muon_weight_decay"]}
-  kept = sharding.update_specs(specs, params, mesh) if spec.optim.shard_optimizer else specs
-  opt, opt_specs = sharding.optimizer_specs(optim.make(spec.optim, num_iterations, hp),
+  kept = state_layout.update_specs(specs, params, mesh) if spec.optim.shard_optimizer else specs
+  opt, opt_specs = state_layout.optimizer_specs(optim.make(spec.optim, num_iterations, hp),
                                             params, kept)
   return {"mesh": dict(mesh.shape),
-          "param_bytes_per_device": sharding.bytes_per_device(params, specs, mesh.shape),
-          "optimizer_bytes_per_device": sharding.bytes_per_device(opt, opt_specs, mesh.shape)}
+          "param_bytes_per_device": state_layout.bytes_per_device(params, specs, mesh.shape),
+          "optimizer_bytes_per_device": state_layout.bytes_per_device(opt, opt_specs, mesh.shape)}
 
 
 PRECISION_GROUPS = {"embed": "embedding", "table": "tables", "muon": "matrices",

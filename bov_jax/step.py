@@ -22,6 +22,7 @@ from bov_jax import model as model_lib
 from bov_jax import optim
 from bov_jax import plan
 from bov_jax import sharding
+from bov_jax import state_layout
 from bov_jax.spec import RunSpec
 
 
@@ -64,7 +65,7 @@ def make_train_step(graphdef, tx, update_specs=None):
   (mesh.data > 1, the mesh set when the step is traced) each replica accumulates its
   own rows' gradients and the replicas' sums are reduced once, after the loop (MaxText's
   utils/gradient_accumulation.py): into the shares of `update_specs` (a PartitionSpec
-  per parameter, `sharding.update_specs`), where the optimizer then updates each
+  per parameter, `state_layout.update_specs`), where the optimizer then updates each
   replica's share and the new parameters are gathered; without it, all-reduced whole.
   """
 
@@ -92,7 +93,7 @@ def make_train_step(graphdef, tx, update_specs=None):
     """accumulate() inside a shard_map over `data`: each replica's gradients stay its
     own through the loop, then one reduce-scatter (or all-reduce) over the replicas."""
     specs = (jax.tree.map(lambda _: P(), params) if update_specs is None else update_specs)
-    dims = jax.tree.map(sharding.data_dim, specs, is_leaf=lambda x: isinstance(x, P))
+    dims = jax.tree.map(state_layout.data_dim, specs, is_leaf=lambda x: isinstance(x, P))
 
     def reduce(g, dim):
       if dim < 0:
@@ -194,12 +195,13 @@ def build(spec: RunSpec, mesh, num_iterations: int, key=None, init: bool = True)
   graphdef, params, p_sh = (init_params(spec, mesh, key) if init
                             else abstract_params(spec, mesh))
   param_specs = sharding.param_specs_of(p_sh)
-  split = (sharding.UpdateLayout(param_specs, sharding.update_specs(param_specs, params, mesh))
+  split = (state_layout.UpdateLayout(param_specs,
+                                     state_layout.update_specs(param_specs, params, mesh))
            if spec.optim.shard_optimizer and mesh.size > 1 else None)
   u_specs = None if split is None else split.update_specs
   tx = optim.make(spec.optim, num_iterations, plan.hyperparams(spec), split)
   with jax.set_mesh(mesh):
-    abstract, specs = sharding.optimizer_specs(tx, params,
+    abstract, specs = state_layout.optimizer_specs(tx, params,
                                                param_specs if split is None else u_specs)
     o_sh = sharding.named(mesh, specs)
     opt_state = (jax.jit(tx.init, out_shardings=o_sh)(params) if init else

@@ -4,10 +4,10 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from bov_jax import checkpoint
 from bov_jax import sharding
+from bov_jax import state_layout
 from bov_jax import step as step_lib
 from tests.helpers import random_model
 from tests.helpers import run_spec
@@ -71,7 +71,7 @@ def one_device():
 @pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 4, 1)])
 def test_split_step_trains_as_one_device(mesh_shape, one_device):
   mesh, tr = _setup(mesh_shape)
-  assert any(sharding.data_dim(s.spec) >= 0 for s in jax.tree.leaves(tr.opt_shardings))
+  assert any(state_layout.data_dim(s.spec) >= 0 for s in jax.tree.leaves(tr.opt_shardings))
   losses, params, _ = _train(mesh, tr, *_start(tr), STEPS)
   np.testing.assert_allclose(losses, one_device[0], rtol=1e-6)
   _assert_close(jax.device_get(params), jax.device_get(one_device[1]), 1e-6)
@@ -97,20 +97,6 @@ def test_a_checkpoint_moves_between_layouts(tmp_path, saved_on, restored_on, one
   losses, params, _ = _train(mesh, tr, got.params, got.opt_state, 2, first=3)
   np.testing.assert_allclose(losses, one_device[0][3:], rtol=1e-6)
   _assert_close(jax.device_get(params), jax.device_get(one_device[1]), 1e-6)
-
-
-def test_the_update_specs_add_data_to_one_dimension():
-  mesh = sharding.make_mesh(_config((2, 4, 1)).mesh)
-  shapes = {"w": jax.ShapeDtypeStruct((64, 256), np.float32),
-            "t": jax.ShapeDtypeStruct((128, 32), np.float32),
-            "odd": jax.ShapeDtypeStruct((3, 5), np.float32),
-            "s": jax.ShapeDtypeStruct((), np.float32)}
-  specs = {"w": P("fsdp", None), "t": P(None, "fsdp"), "odd": P(), "s": P()}
-  got = sharding.update_specs(specs, shapes, mesh)
-  assert got == {"w": P(("data", "fsdp"), None), "t": P("data", "fsdp"), "odd": P(), "s": P()}
-  assert [sharding.data_dim(got[k]) for k in ("w", "t", "odd")] == [0, 0, -1]
-  one = sharding.make_mesh(_config((1, 8, 1)).mesh)
-  assert sharding.update_specs(specs, shapes, one) is specs  # no data replicas
 
 
 def _update_flops(mesh_shape, shard=True):
