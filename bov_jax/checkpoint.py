@@ -11,7 +11,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
 
 from bov_jax import rundir
 
@@ -43,8 +46,8 @@ class Checkpoints:
 
   Saves are asynchronous (training continues while orbax writes). `restore` is the
   one way back, for training (everything) and for evaluation (parameters only): the
-  newest checkpoint that reads back, falling back past any that is corrupt, saying
-  which it skipped.
+  newest checkpoint that reads back whole, falling back past any that does not, saying
+  which it skipped (and, resuming a run, setting it aside to be written again).
   """
 
   def __init__(self, workdir: str, keep: int = 3, async_save: bool = True):
@@ -70,53 +73,92 @@ class Checkpoints:
     return self.mgr.save(step, args=ocp.args.Composite(**items), force=force)
 
   def restore(self, params, opt_state=None, data_iter=None, log=print,
-              only: int | None = None) -> Restored | None:
-    """The newest readable checkpoint (or exactly step `only`), or None when there is none.
-    `params` and `opt_state` give the shapes and shardings to restore into (arrays or abstract);
-    `data_iter` is restored in place where the checkpoint holds its state for this
-    process count (`data_restored`; a run resumed on another number of processes starts
-    its data afresh)."""
-    items = {"params": ocp.args.StandardRestore(_abstract(params))}
-    if opt_state is not None:
-      items["opt"] = ocp.args.StandardRestore(_abstract(opt_state))
+              only: int | None = None, set_aside: bool = False) -> Restored | None:
+    """The newest checkpoint that reads back whole (or exactly step `only`), or None when
+    there is none. `params` and `opt_state` give the shapes and shardings to restore into
+    (arrays or abstract); `data_iter` is restored in place where the checkpoint holds its
+    state for this process count (`data_restored`; a run resumed on another number of
+    processes starts its data afresh). A step that does not read back whole is passed
+    over, loudly; with `set_aside` (a training resume) it is renamed out of the way
+    (`<step>.damaged`), so the run writes that step again when it reaches it. Every
+    process reads; whether a step read back is agreed by all."""
     if only is not None and only not in self.all_steps():
       raise FileNotFoundError(f"no checkpoint {only} under {rundir.checkpoints(self.workdir)} "
                               f"(steps {self.all_steps()})")
     for step in [only] if only is not None else reversed(self.all_steps()):
       try:
-        out = self.mgr.restore(step, args=ocp.args.Composite(**items))
+        out = self._read(step, params, opt_state, data_iter, log)
+        error = None
       except Exception as e:  # noqa: BLE001 - any unreadable step: fall back, loudly
-        log(f"warning: checkpoint {rundir.checkpoints(self.workdir)}/{step} is unreadable "
-            f"({type(e).__name__}: {str(e)[:200]}); trying the previous one")
-        continue
-      meta = {}
-      try:
-        meta = self.mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-      except Exception:  # noqa: BLE001 - a converted checkpoint may carry no metadata
-        pass
-      data_restored = False
-      if data_iter is not None:
-        import grain
-        if rundir.checkpoint_data(self.workdir, step, jax.process_index(),
-                                  jax.process_count()).exists():
-          self.mgr.restore(step, args=ocp.args.Composite(
-              data=grain.checkpoint.CheckpointRestore(data_iter)))
-          data_restored = True
+        out, error = None, f"{type(e).__name__}: {str(e)[:200]}"
+      if not _all_agree(error is None):
+        where = f"{rundir.checkpoints(self.workdir)}/{step}"
+        why = error or "another process could not read its part"
+        if set_aside:
+          log(f"warning: checkpoint {where} does not read back whole ({why}); set aside as "
+              f"{self._set_aside(step)}, trying the previous one")
         else:
-          log(f"warning: checkpoint {step} holds no data-iterator state for "
-              f"{jax.process_count()} process(es) (it was saved by another number); the "
-              "data order starts afresh")
-      return Restored(step, out["params"], out.get("opt") if opt_state is not None else None,
-                      meta, data_restored)
+          log(f"warning: checkpoint {where} is unreadable ({why}); trying the previous one")
+        continue
+      return out
     if self.all_steps():
       raise CorruptCheckpointError(
           f"no checkpoint under {rundir.checkpoints(self.workdir)} could be read "
           f"(steps {self.all_steps()})")
     return None
 
+  def _read(self, step, params, opt_state, data_iter, log) -> Restored:
+    """Step `step` whole: parameters, optimizer state, metadata and this process's data
+    state (each where asked for); raises where any of them does not read back."""
+    items = {"params": ocp.args.StandardRestore(_abstract(params))}
+    if opt_state is not None:
+      items["opt"] = ocp.args.StandardRestore(_abstract(opt_state))
+    step_dir = epath.Path(rundir.checkpoints(self.workdir)) / str(step)
+    if (step_dir / "meta").exists():  # a converted checkpoint may carry no metadata
+      items["meta"] = ocp.args.JsonRestore()
+    out = self.mgr.restore(step, args=ocp.args.Composite(**items))
+    data_restored = False
+    if data_iter is not None:
+      n = jax.process_count()
+      saved_by = (out.get("meta") or {}).get("processes")  # older steps: from their files
+      if saved_by is None and (step_dir / "data").exists():
+        saved_by = n if list((step_dir / "data").glob(f"process_*-of-{n}.json")) else 0
+      if saved_by == n:  # this process's part is due: a missing or torn one is damage
+        import grain
+        self.mgr.restore(step, args=ocp.args.Composite(
+            data=grain.checkpoint.CheckpointRestore(data_iter)))
+        data_restored = True
+      else:
+        log(f"warning: checkpoint {step} holds no data-iterator state for "
+            f"{jax.process_count()} process(es) (it was saved by another number); the "
+            "data order starts afresh")
+    return Restored(step, out["params"], out.get("opt") if opt_state is not None else None,
+                    out.get("meta") or {}, data_restored)
+
+  def _set_aside(self, step: int) -> str:
+    """Renames a step out of orbax's sight (process 0, the others waiting) and has the
+    manager forget it; returns the new name."""
+    d = epath.Path(rundir.checkpoints(self.workdir))
+    n = 0
+    while (d / (name := f"{step}.damaged" + (f".{n}" if n else ""))).exists():
+      n += 1
+    if jax.process_index() == 0:
+      (d / str(step)).rename(d / name)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"bov_jax: checkpoint {step} set aside")
+    self.mgr.reload()
+    return str(d / name)
+
   def close(self):
     self.mgr.wait_until_finished()
     self.mgr.close()
+
+
+def _all_agree(ok: bool) -> bool:
+  """Whether every process says ok (one process: its own answer)."""
+  if jax.process_count() == 1:
+    return ok
+  return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
 
 
 def save_params(workdir: str, cfg, params, step: int) -> str:

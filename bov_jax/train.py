@@ -210,7 +210,8 @@ class _Loop:
     """The newest checkpoint's step, its state and data order taken; 0 with none."""
     if self.ckpts is None:
       return 0
-    restored = self.ckpts.restore(self.params, self.opt_state, self.it, log=log)
+    restored = self.ckpts.restore(self.params, self.opt_state, self.it, log=log,
+                                  set_aside=True)
     if restored is None:
       return 0
     self.params, self.opt_state = restored.params, restored.opt_state
@@ -333,7 +334,8 @@ class _Loop:
     """A checkpoint of this step, then the next batch (whose loading it waited for)."""
     last = step == self.n or self.stopping
     self.ckpts.save(step, self.params, self.opt_state, self.it,
-                    {"step": step, "train_loss": self.record.get("train_loss")}, force=last)
+                    {"step": step, "train_loss": self.record.get("train_loss"),
+                     "processes": jax.process_count()}, force=last)
     if not last:
       self.batch = self._load()
 

@@ -149,24 +149,40 @@ def test_resume_after_sigkill_is_exact(tmp_path):
 
 
 @pytest.mark.slow
-def test_corrupt_checkpoint_falls_back_to_previous(tmp_path):
+def test_a_damaged_checkpoint_is_set_aside_and_written_again(tmp_path):
+  """The same command after any damage to the newest checkpoint finishes (exit 0, DONE),
+  resuming exactly from the one before: a step that does not read back whole (a missing
+  optimizer file; then this process's data-iterator state) is renamed out of the way and
+  written again when the run reaches it."""
   wd = str(tmp_path / "run")
-  out = _main(wd, "--config.train.num_iterations=20", "--config.train.checkpoint_every=10",
-              "--config.train.eval_every=100", "--config.train.sample_tokens=0")
+  args = ["--config.train.num_iterations=20", "--config.train.checkpoint_every=10",
+          "--config.train.eval_every=100", "--config.train.sample_tokens=0"]
+  out = _main(wd, *args)
   assert out.returncode == 0, out.stderr[-2000:]
-  params = os.path.join(wd, "checkpoints", "20", "params")
-  for name in os.listdir(params):  # scramble every file of step 20's parameters
-    p = os.path.join(params, name)
-    if os.path.isfile(p):
-      with open(p, "wb") as f:
-        f.write(b"garbage")
-    else:
-      shutil.rmtree(p)
-  out = _main(wd, "--config.train.num_iterations=22", "--config.train.checkpoint_every=10",
-              "--config.train.eval_every=100", "--config.train.sample_tokens=0")
+  first = {r["step"]: r["train_loss"] for r in _metrics(wd) if "train_loss" in r}
+  ckpts = pathlib.Path(wd, "checkpoints")
+  largest = lambda d: max((p for p in d.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  damage = [lambda: largest(ckpts / "20" / "opt").unlink(),  # one of its data files
+            lambda: next((ckpts / "20" / "data").glob("process_0-of-1.json")).unlink()]
+  for n, harm in enumerate(damage):
+    harm()
+    out = _main(wd, *args)
+    assert out.returncode == 0, out.stderr[-2000:]
+    aside = f"checkpoints/20.damaged{'.1' if n else ''}"
+    assert "checkpoints/20 does not read back whole" in out.stdout and aside in out.stdout
+    assert re.search(r"resumed from \S*/checkpoints/10\b", out.stdout), out.stdout
+    assert (ckpts / aside.split("/")[1]).is_dir() and (ckpts / "20" / "opt").is_dir()
+    assert pathlib.Path(wd, "DONE").exists()
+    again = {r["step"]: r["train_loss"] for r in _metrics(wd) if "train_loss" in r}
+    assert sorted(again) == sorted(first)  # one run's worth of records
+    assert again[20] == pytest.approx(first[20], rel=1e-5)  # the resume is exact
+  # scrambled parameters at 20, and a longer run: it resumes from 10 and goes on
+  for p in (ckpts / "20" / "params").rglob("*"):
+    if p.is_file():
+      p.write_bytes(b"garbage")
+  out = _main(wd, *args[1:], "--config.train.num_iterations=22")
   assert out.returncode == 0, out.stderr[-2000:]
-  assert "checkpoints/20 is unreadable" in out.stdout
-  assert "resumed from" in out.stdout and "checkpoints/10" in out.stdout
+  assert "checkpoints/20 does not read back whole" in out.stdout
   assert [r["step"] for r in _metrics(wd)][-1] == 22
   # the run directory is the source of truth: a shape it cannot restore is refused by name
   out = _main(wd, "--config.model.n_layer=4")
