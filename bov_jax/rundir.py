@@ -89,11 +89,47 @@ def metrics(workdir: str) -> epath.Path:
 
 
 def read_metrics(workdir: str) -> list[dict] | None:
-  """metrics.jsonl's records, or None when the run has logged none."""
+  """metrics.jsonl's records (past a torn tail: `read_log`), or None when the run has
+  logged none."""
   p = metrics(workdir)
-  if not p.exists():
-    return None
-  return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+  return read_log(p)[0] if p.exists() else None
+
+
+def read_log(p: epath.Path) -> tuple[list[dict], int]:
+  """An append-only JSON-lines file's records and the length in bytes of the part that
+  holds them. A tail that does not parse (the part line a crash or a full disk leaves
+  mid-append) is left out, as a write-ahead log drops a torn tail; a line that does not
+  parse with records after it is damage, not a tear: RunDirError names it."""
+  records, good, offset, torn = [], 0, 0, None
+  for n, line in enumerate(p.read_bytes().splitlines(keepends=True), 1):
+    offset += len(line)
+    try:
+      record = json.loads(line) if line.strip() else None
+    except ValueError:
+      torn = torn or n
+      continue
+    if torn:
+      raise RunDirError(f"{p}: line {torn} is not a JSON record, and records follow it; the "
+                        "log is damaged, not torn (restore it, or remove that line)")
+    records += [] if record is None else [record]
+    good = offset
+  return records, good
+
+
+def cut_torn_tails(workdir: str, log=print) -> None:
+  """A resume's repair of the run's append-only logs (metrics.jsonl, config_changes.jsonl):
+  a torn tail is cut, with a line saying how many bytes."""
+  for name in (METRICS, CONFIG_CHANGES):
+    p = path(workdir) / name
+    if not p.exists():
+      continue
+    data = p.read_bytes()
+    _, good = read_log(p)
+    kept = data[:good] + (b"\n" if good and not data[:good].endswith(b"\n") else b"")
+    if kept != data:
+      p.write_bytes(kept)
+      log(f"{p}: cut {len(data) - good} bytes of a torn last line (an interrupted write)"
+          if good < len(data) else f"{p}: ended its last line (an interrupted write)")
 
 
 def core(workdir: str) -> epath.Path:

@@ -107,6 +107,7 @@ def _open_rundir(spec, workdir: str) -> None:
   if jax.process_count() > 1:  # all have read config.json before process 0 rewrites it
     multihost_utils.sync_global_devices("bov_jax: config checked")
   if process.is_main():
+    rundir.cut_torn_tails(workdir, log=log)
     rundir.record_config(workdir, spec.config(), delta, log=log)
     rundir.clear_done(workdir)
 

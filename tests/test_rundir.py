@@ -133,3 +133,26 @@ def test_a_command_that_needs_a_run_names_what_is_missing(tmp_path):
   cfg = small_config()
   rundir.write_config(str(tmp_path), cfg)
   assert rundir.config_of(str(tmp_path)).model.n_layer == cfg.model.n_layer
+
+
+def test_a_torn_log_tail_is_read_past_and_cut_on_resume(tmp_path):
+  """metrics.jsonl and config_changes.jsonl recover as write-ahead logs do: a torn last
+  line is left out by readers and cut by a resume, saying how many bytes; a bad line with
+  records after it is damage, named by file and line."""
+  wd = tmp_path / "run"
+  wd.mkdir()
+  whole = '{"step": 1, "train_loss": 5.0}\n{"step": 2, "train_loss": 4.5}\n'
+  (wd / rundir.METRICS).write_text(whole + '{"step": 3, "train_lo')
+  (wd / rundir.CONFIG_CHANGES).write_text('{"after_step": 10}')  # whole, its newline lost
+  assert [r["step"] for r in rundir.read_metrics(str(wd))] == [1, 2]
+  assert (wd / rundir.METRICS).read_text().endswith("train_lo")  # a reader changes nothing
+  said = []
+  rundir.cut_torn_tails(str(wd), log=said.append)
+  assert (wd / rundir.METRICS).read_text() == whole
+  assert (wd / rundir.CONFIG_CHANGES).read_text() == '{"after_step": 10}\n'
+  assert "cut 21 bytes" in said[0] and rundir.METRICS in said[0] and len(said) == 2
+  rundir.cut_torn_tails(str(wd), log=said.append)
+  assert len(said) == 2  # nothing more to cut
+  (wd / rundir.METRICS).write_text('{"step": 1}\n{"step": 2, \n{"step": 3}\n')
+  with pytest.raises(rundir.RunDirError, match=r"metrics.jsonl: line 2 is not a JSON record"):
+    rundir.read_metrics(str(wd))

@@ -4,7 +4,6 @@ import math
 import os
 import pathlib
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -166,8 +165,12 @@ def test_a_damaged_checkpoint_is_set_aside_and_written_again(tmp_path):
             lambda: next((ckpts / "20" / "data").glob("process_0-of-1.json")).unlink()]
   for n, harm in enumerate(damage):
     harm()
+    if n == 0:  # and the log's last append torn, as a crash mid-write leaves it
+      with open(os.path.join(wd, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 21, "train_lo')
     out = _main(wd, *args)
     assert out.returncode == 0, out.stderr[-2000:]
+    assert ("metrics.jsonl: cut 22 bytes of a torn last line" in out.stdout) == (n == 0)
     aside = f"checkpoints/20.damaged{'.1' if n else ''}"
     assert "checkpoints/20 does not read back whole" in out.stdout and aside in out.stdout
     assert re.search(r"resumed from \S*/checkpoints/10\b", out.stdout), out.stdout
