@@ -14,6 +14,8 @@
   log.HOST.txt           a sweep point's console output, per host (sweep.py)
   DONE                   written after the last step: the last record (sweeps and
                          launch/tpu.sh's `watch` skip or stop on it)
+  LOCK                   the training run that owns the directory now: its host, pid and
+                         heartbeat (`Owner`); gone when it ends
 
 Nothing is written here before the whole config has been checked (spec.resolve and
 step.batch_layout both raise before a mode opens its run directory).
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import threading
 import time
 
 import ml_collections
@@ -39,6 +43,7 @@ EVAL = "eval.json"
 CORE = "core.json"
 LM_EVAL = "lm_eval.json"
 DONE = "DONE"
+LOCK = "LOCK"
 PROFILE = "profile"
 
 # An exported folder (export.py), as the Hugging Face hub holds a model. Its config.json
@@ -244,3 +249,81 @@ def record_config(workdir: str, cfg, delta: dict | None, log=print) -> None:
     before = changes.read_text() if changes.exists() else ""
     changes.write_text(before + json.dumps(record) + "\n")
     write_config(workdir, cfg)
+
+
+# -- one owner at a time ------------------------------------------------------------------
+
+class Busy(RunDirError):
+  """Another live run owns the run directory."""
+
+
+class Owner:
+  """The lock of a training run on its run directory (local or gs://), as a database
+  holds its data directory: LOCK names the holder (host, pid) and carries a heartbeat
+  the holder rewrites every BEAT seconds. A second run finds a live holder and stops; a
+  holder that died without releasing (kill -9, a preempted pod) is known by its pid (on
+  the same host) or by a heartbeat that stops (elsewhere), and its lock is taken over."""
+
+  BEAT = 5.0  # seconds between heartbeats; a holder elsewhere is dead after 3 unchanged
+
+  def __init__(self, workdir: str, log=print):
+    self.file = path(workdir) / LOCK
+    self.me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    self._stop = threading.Event()
+    self._thread = None
+    held = self._holder()
+    if held is not None and self._alive(held):
+      raise Busy(f"--workdir={workdir} is in use by another run (host {held.get('host')}, "
+                 f"pid {held.get('pid')}, since {time.ctime(held.get('since', 0))}); wait for "
+                 "it to end, or use another --workdir")
+    if held is not None:
+      log(f"{self.file}: taking over from a run that ended without releasing it (host "
+          f"{held.get('host')}, pid {held.get('pid')})")
+    self.file.parent.mkdir(parents=True, exist_ok=True)
+    self._write()
+    self._thread = threading.Thread(target=self._beat, daemon=True, name="bov_jax-lock")
+    self._thread.start()
+
+  def _holder(self) -> dict | None:
+    try:
+      return json.loads(self.file.read_text())
+    except FileNotFoundError:
+      return None
+    except ValueError:  # torn by a holder that died writing it: no one holds it
+      return {}
+
+  def _alive(self, held: dict) -> bool:
+    if not held:
+      return False
+    if held.get("host") == self.me["host"]:
+      try:
+        os.kill(int(held["pid"]), 0)
+      except ProcessLookupError:
+        return False
+      except PermissionError:  # another user's live process
+        return True
+      return time.time() - held.get("beat", 0) < 3 * self.BEAT  # not a reused pid
+    for _ in range(3):  # elsewhere: alive while its heartbeat moves
+      time.sleep(self.BEAT)
+      now = self._holder()
+      if now is None or now.get("beat") != held.get("beat"):
+        return now is not None
+    return False
+
+  def _write(self) -> None:
+    self.file.write_text(json.dumps(dict(self.me, beat=time.time())))
+
+  def _beat(self) -> None:
+    while not self._stop.wait(self.BEAT):
+      try:
+        self._write()
+      except OSError:  # a full disk or a lost bucket: the run itself will say so
+        pass
+
+  def release(self) -> None:
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+    held = self._holder()
+    if held and held.get("pid") == self.me["pid"] and held.get("host") == self.me["host"]:
+      self.file.unlink()

@@ -82,34 +82,49 @@ def train(spec, workdir: str | None) -> dict:
   mesh = sharding.make_mesh(spec.mesh)
   step_lib.batch_layout(spec, mesh.size)  # the whole config is checked, and the corpus
   splits = process.documents(spec)        # found, before anything is written
-  if workdir:
-    _open_rundir(spec, workdir)
-  tok = process.tokenizer(spec, workdir, splits[0])
-  n = plan.num_iterations(spec, plan.flops_per_token(spec.model))
-  ckpts = ckpt_lib.Checkpoints(workdir, keep=spec.train.keep_checkpoints) if workdir else None
-  # With checkpoints there, the run restores one (or fails, naming them): the state
-  # to restore into is abstract, never initialised. Process 0's answer holds for all:
-  # init is one program every process must run, or none.
-  resuming = ckpts is not None and bool(ckpts.all_steps())
-  if jax.process_count() > 1:
-    resuming = bool(multihost_utils.broadcast_one_to_all(np.int32(resuming)))
-  setup = step_lib.build(spec, mesh, n, init=not resuming)
-  if spec.model.init_from and not resuming:  # weights from an exported folder
-    setup.params = _weights_from(spec.model.init_from, setup.params)
-  with jax.set_mesh(mesh):
-    return _Loop(spec, workdir, mesh, setup, tok, splits, n, ckpts).run()
+  owner = _open_rundir(spec, workdir) if workdir else None
+  try:
+    tok = process.tokenizer(spec, workdir, splits[0])
+    n = plan.num_iterations(spec, plan.flops_per_token(spec.model))
+    ckpts = ckpt_lib.Checkpoints(workdir, keep=spec.train.keep_checkpoints) if workdir else None
+    # With checkpoints there, the run restores one (or fails, naming them): the state
+    # to restore into is abstract, never initialised. Process 0's answer holds for all:
+    # init is one program every process must run, or none.
+    resuming = ckpts is not None and bool(ckpts.all_steps())
+    if jax.process_count() > 1:
+      resuming = bool(multihost_utils.broadcast_one_to_all(np.int32(resuming)))
+    setup = step_lib.build(spec, mesh, n, init=not resuming)
+    if spec.model.init_from and not resuming:  # weights from an exported folder
+      setup.params = _weights_from(spec.model.init_from, setup.params)
+    with jax.set_mesh(mesh):
+      return _Loop(spec, workdir, mesh, setup, tok, splits, n, ckpts).run()
+  finally:
+    if owner is not None:
+      owner.release()
 
 
-def _open_rundir(spec, workdir: str) -> None:
-  """Checks the run directory's config of record against this run's (every process) and
-  records it (process 0); a finished run asked for more steps is not finished any more."""
+def _open_rundir(spec, workdir: str):
+  """Checks the run directory's config of record against this run's (every process),
+  takes the directory (process 0, for all: rundir.Owner; a live holder stops every
+  process before anything is written) and records the config (process 0); a finished
+  run asked for more steps is not finished any more. Returns process 0's Owner."""
   delta = rundir.check_config(workdir, spec.config())
-  if jax.process_count() > 1:  # all have read config.json before process 0 rewrites it
-    multihost_utils.sync_global_devices("bov_jax: config checked")
+  owner, busy = None, ""
+  if process.is_main():
+    try:
+      owner = rundir.Owner(workdir, log=log)
+    except rundir.Busy as e:
+      busy = str(e)
+  if jax.process_count() > 1:  # all have read config.json; process 0's answer holds for all
+    if multihost_utils.broadcast_one_to_all(np.int32(bool(busy))) and not busy:
+      busy = f"--workdir={workdir} is in use by another run (process 0 found its lock)"
+  if busy:
+    raise rundir.Busy(busy)
   if process.is_main():
     rundir.cut_torn_tails(workdir, log=log)
     rundir.record_config(workdir, spec.config(), delta, log=log)
     rundir.clear_done(workdir)
+  return owner
 
 
 def _weights_from(folder: str, params):

@@ -286,3 +286,37 @@ def test_config_and_workdir_errors_are_named(tmp_path):
     assert out.returncode == 2 and "is a file; expected a directory" in out.stderr
     assert "Traceback" not in out.stderr
 
+
+
+@pytest.mark.slow
+def test_one_run_owns_a_run_directory(tmp_path):
+  """A second training run on a live run's directory stops at once with one line naming
+  the directory and the holder, and writes nothing there (a setting it changes is not
+  recorded); once the holder is killed with SIGKILL, the same command takes over and
+  finishes."""
+  import time
+  wd = str(tmp_path / "run")
+  args = ["--config.train.num_iterations=400", "--config.train.eval_every=1000",
+          "--config.train.sample_tokens=0"]
+  holder = subprocess.Popen([sys.executable, "-m", "bov_jax.main", f"--workdir={wd}", *FAST,
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT, env=_env())
+  try:
+    for line in holder.stdout:
+      if line.startswith("step 2/"):
+        break
+    t0 = time.monotonic()
+    out = _main(wd, *args, "--config.train.log_every=5")
+    assert out.returncode == 2 and time.monotonic() - t0 < 60, out.stderr[-2000:]
+    error = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(error) == 1 and error[0].startswith(f"error: --workdir={wd} is in use"), error
+    assert f"pid {holder.pid}" in error[0]
+    assert not os.path.exists(os.path.join(wd, "config_changes.jsonl"))
+  finally:
+    holder.kill()
+    holder.wait(timeout=60)
+  out = _main(wd, "--config.train.num_iterations=12", "--config.train.eval_every=1000",
+              "--config.train.sample_tokens=0")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "taking over from a run that ended without releasing it" in out.stdout
+  assert os.path.exists(os.path.join(wd, "DONE")) and not os.path.exists(os.path.join(wd, "LOCK"))
