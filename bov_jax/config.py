@@ -204,9 +204,39 @@ def _choice(name, value, allowed):
     raise ConfigError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
 
 
+# Numeric settings with a range: setting -> (integer?, lowest, highest); None is no bound.
+RANGES = {
+    "optim.embedding_lr": (False, 0, None), "optim.unembedding_lr": (False, 0, None),
+    "optim.matrix_lr": (False, 0, None), "optim.scalar_lr": (False, 0, None),
+    "optim.weight_decay": (False, 0, None), "optim.warmup_steps": (True, 0, None),
+    "optim.warmdown_ratio": (False, 0, 1), "optim.final_lr_frac": (False, 0, 1),
+    "train.seed": (True, 0, None), "train.eval_tokens": (True, 1, None),
+    "train.sample_tokens": (True, 0, None), "train.target_flops": (False, 0, None),
+    "data.tokenizer_chars": (True, 1, None), "data.tokenizer_doc_cap": (True, 1, None),
+    "eval.core_max_per_task": (True, -1, None), "eval.core_every": (True, 0, None),
+    "sample.max_new_tokens": (True, 0, None), "sample.temperature": (False, 0, None),
+    "sample.top_k": (True, 0, None), "sample.seed": (True, 0, None),
+}
+
+
+def _in_range(cfg, name: str) -> None:
+  integer, low, high = RANGES[name]
+  section, field = name.split(".")
+  value = cfg[section][field]
+  kind = (int,) if integer else (int, float)
+  allowed = (f"{'an integer' if integer else 'a number'}"
+             + (f" in [{low}, {high}]" if high is not None else f" >= {low}"))
+  if (isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value)
+      or value < low or (high is not None and value > high)):
+    raise ConfigError(f"{name}={value!r}: expected {allowed}")
+
+
 def validate(cfg) -> None:
   """Checks every setting that is not the value mode's (values.mode_from_config checks
-  those); raises ConfigError naming the setting and what is allowed."""
+  those); raises ConfigError naming the setting and what is allowed. Every mode calls it
+  (through spec.resolve) before it writes anything."""
+  for name in RANGES:
+    _in_range(cfg, name)
   m = cfg.model
   for name in ("n_layer", "n_embd", "n_head", "n_kv_head", "sequence_len", "vocab_size"):
     _positive(f"model.{name}", m[name])

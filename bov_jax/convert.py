@@ -28,6 +28,7 @@ from absl import flags
 from absl import logging
 from flax import nnx
 
+from bov_jax import cli
 from bov_jax import config as config_lib
 from bov_jax import extras
 from bov_jax import model as model_lib
@@ -227,4 +228,4 @@ def main(argv) -> int:
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(lambda argv: sys.exit(main(argv)))
+  cli.run(lambda argv: sys.exit(main(argv)))

@@ -28,6 +28,7 @@ import sysconfig
 
 import numpy as np
 
+from bov_jax import cli
 from bov_jax import storage
 
 CLIMBMIX_REPO = "karpathy/climbmix-400b-shuffle"
@@ -300,13 +301,12 @@ def download_command() -> None:
   `python -m bov_jax.corpus download ...`): ClimbMix's shards fetched into DIR."""
   import sys
 
-  from absl import app
   from absl import flags
   flags.DEFINE_integer("shards", 8, "training shards of ClimbMix (the validation shard is added)")
   flags.DEFINE_string("dir", "~/.cache/bov_jax/climbmix",
                       "where the shards go (a local directory)")
   flags.DEFINE_bool("dry_run", False, "print what would be fetched, fetch nothing")
-  app.run(lambda argv: sys.exit(_download_main(argv)))
+  cli.run(lambda argv: sys.exit(_download_main(argv)))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import sys
 import numpy as np
 from etils import epath
 
+from bov_jax import cli
 from bov_jax import rundir
 
 # safetensors' dtype names; the library writes a file from a dict of whole arrays, so a
@@ -267,7 +268,6 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-  from absl import app
   from absl import flags
   flags.DEFINE_string("workdir", None, "the run directory to export")
   flags.DEFINE_string("out", None, "the folder to write (local or gs://)")
@@ -275,4 +275,4 @@ if __name__ == "__main__":
   flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
                     "cast floating tensors to this dtype (default: as the run stores them)")
   flags.DEFINE_float("max_shard_gib", 5.0, "above this, the weights are split into files")
-  app.run(lambda argv: sys.exit(main(argv)))
+  cli.run(lambda argv: sys.exit(main(argv)))

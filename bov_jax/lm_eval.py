@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bov_jax import cli
 from bov_jax import extras
 from bov_jax import rundir
 
@@ -283,7 +284,6 @@ def main(argv) -> int:
 if __name__ == "__main__":
   import os
 
-  from absl import app
   from absl import flags
 
   from bov_jax import hostmem
@@ -298,4 +298,4 @@ if __name__ == "__main__":
   flags.DEFINE_integer("batch_size", 32, "rows scored or generated at once")
   flags.DEFINE_integer("max_gen_toks", 256, "generate_until's default token budget")
   flags.DEFINE_integer("seed", 0, "lm-eval's seeds (few-shot sampling) and the sampling key")
-  app.run(lambda argv: sys.exit(main(argv)))
+  cli.run(lambda argv: sys.exit(main(argv)))

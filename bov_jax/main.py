@@ -15,6 +15,8 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from bov_jax import cli
+
 MODES = ("train", "plan", "eval", "sample", "compile")
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -148,4 +150,4 @@ if __name__ == "__main__":
   if hostmem.cpu_only():  # no accelerator here: JAX need not start (and libtpu, installed
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # for --mode=compile, not log about) others
   hostmem.reexec_with_huge_pages()  # before jax starts, CPU runs only: see hostmem.py
-  app.run(main)
+  cli.run(main)

@@ -51,6 +51,17 @@ def documents(spec):
   return corpus_lib.split(c, spec.data.val_split, spec.data.val_every, n_files)
 
 
+def check_tokenizer(spec, workdir: str | None) -> None:
+  """What `tokenizer` would refuse, checked before a run writes anything: a given
+  tokenizer that does not match model.vocab_size, or a vocabulary too small to train."""
+  here = rundir.tokenizer(workdir) if workdir else None
+  if spec.data.tokenizer:
+    tok_lib.checked(tok_lib.load(spec.data.tokenizer), spec.data.tokenizer,
+                    spec.model.vocab_size)
+  elif not (here and (epath.Path(here) / tok_lib.PICKLE).exists()):
+    tok_lib.check_trainable(spec.model.vocab_size)
+
+
 def tokenizer(spec, workdir: str | None, train_split=None) -> tok_lib.Tokenizer:
   """The run's tokenizer, kept in WORKDIR/tokenizer/: data.tokenizer when set (copied
   into the run directory), else the run directory's; where there is none, one trained on

@@ -17,6 +17,7 @@ from absl import app
 from absl import flags
 from etils import epath
 
+from bov_jax import cli
 from bov_jax import extras
 from bov_jax import rundir
 
@@ -196,4 +197,4 @@ def main(argv) -> int:
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(lambda argv: sys.exit(main(argv)))
+  cli.run(lambda argv: sys.exit(main(argv)))

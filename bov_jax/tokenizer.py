@@ -25,6 +25,8 @@ from typing import Iterable
 import numpy as np
 from etils import epath
 
+from bov_jax import cli
+
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}|"""
                  r""" ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+""")
 RESERVED_TOKENS = [  # nanochat's special tokens, in its order
@@ -183,15 +185,20 @@ def training_texts(docs: Iterable[str], max_chars: int, doc_cap: int = DOC_CAP):
       return
 
 
+def check_trainable(vocab_size: int) -> None:
+  """A vocabulary BPE can be trained to: the 256 bytes and the specials at least."""
+  if vocab_size < 256 + len(RESERVED_TOKENS):
+    raise TokenizerError(f"model.vocab_size={vocab_size} must be at least "
+                         f"{256 + len(RESERVED_TOKENS)} (256 bytes + {len(RESERVED_TOKENS)} "
+                         "specials) for a tokenizer trained on the corpus")
+
+
 def train(texts: Iterable[str], vocab_size: int) -> Tokenizer:
   """rustbpe trained on `texts` to vocab_size - 9 merges and bytes, then the specials."""
   import rustbpe
   import tiktoken
+  check_trainable(vocab_size)
   n_merges = vocab_size - len(RESERVED_TOKENS)
-  if n_merges < 256:
-    raise TokenizerError(f"model.vocab_size={vocab_size} must be at least "
-                         f"{256 + len(RESERVED_TOKENS)} (256 bytes + {len(RESERVED_TOKENS)} "
-                         "specials)")
   bpe = rustbpe.Tokenizer()
   bpe.train_from_iterator(iter(texts), n_merges, pattern=SPLIT_PATTERN)
   ranks = {bytes(k): v for k, v in bpe.get_mergeable_ranks()}
@@ -261,6 +268,5 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-  from absl import app
   _define_flags()
-  app.run(lambda argv: sys.exit(main(argv)))
+  cli.run(lambda argv: sys.exit(main(argv)))

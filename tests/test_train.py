@@ -287,6 +287,22 @@ def test_config_and_workdir_errors_are_named(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("flag, says", [
+    ("--config.optim.matrix_lr=-0.02", "optim.matrix_lr=-0.02: expected a number >= 0"),
+    ("--config.optim.warmdown_ratio=3", "optim.warmdown_ratio=3.0: expected a number in [0, 1]"),
+    ("--config.optim.warmup_steps=-1", "optim.warmup_steps=-1: expected an integer >= 0"),
+    ("--config.model.vocab_size=200", "model.vocab_size=200 must be at least 265"),
+    ("--config.train.num_iterations=abc", "--config.train.num_iterations=abc: invalid literal"),
+    ("--config.train.num_iteratons=5", "--config.train.num_iteratons=5: no such setting (did "
+     "you mean num_iterations?)")])
+def test_a_bad_setting_exits_2_in_one_line_and_writes_nothing(tmp_path, flag, says):
+  wd = tmp_path / "run"
+  out = _main(wd, flag)
+  lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+  assert out.returncode == 2 and lines and says in lines[0], out.stderr[-2000:]
+  assert "Traceback" not in out.stderr and not wd.exists()
+
+
 
 @pytest.mark.slow
 def test_one_run_owns_a_run_directory(tmp_path):
