@@ -126,31 +126,61 @@ def embedded_documents() -> tuple[str, ...]:
   return tuple(docs)
 
 
+def _decoded(path: str, raw: bytes) -> str:
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = raw[:e.start].count(b"\n") + 1
+    raise DataError(f"data.corpus: {path} line {line} is not UTF-8 (byte {e.start}: "
+                    f"{raw[e.start:e.start + 4]!r}); corpus files must be UTF-8 text") from e
+
+
 def _read_text_file(fs, path: str) -> list[str]:
-  text = fs.cat_file(path).decode("utf-8")
+  """A .jsonl file's documents are its lines' `text` fields; a text file's are its
+  paragraphs (cut at blank lines, merged up to 1,500 characters, as the embedded corpus's),
+  so that one file is a corpus and packing crops little of it."""
+  text = _decoded(path, fs.cat_file(path))
   if not path.endswith((".jsonl", ".json")):
-    return [text]
+    return _split_source(text)
   docs = []
   for n, line in enumerate(text.splitlines(), 1):
     if line.strip():
       try:
-        docs.append(json.loads(line)["text"])
+        doc = json.loads(line)["text"]
       except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise DataError(f"data.corpus: {path} line {n} is not a JSON object with a "
-                        f"'text' field ({e})") from e
+                        f"'text' field ({type(e).__name__}: {e})") from e
+      if not isinstance(doc, str):
+        raise DataError(f"data.corpus: {path} line {n}: 'text' is a {type(doc).__name__}, "
+                        "expected a string")
+      docs.append(doc)
   return docs
 
 
+def _bad_content(e: Exception, pa) -> bool:
+  """Whether pyarrow's error is the file's content (bad input), not the storage under it
+  (a lost connection, a missing permission: the environment's failure). pyarrow raises
+  plain OSError for content it cannot decode, and passes a file object's own errors on."""
+  return isinstance(e, (pa.ArrowException, UnicodeDecodeError)) or type(e) is OSError
+
+
 def _parquet(fs, files: list[str], column: str = "text") -> Corpus:
+  import pyarrow as pa
   import pyarrow.parquet as pq
 
   def meta(f):
-    with fs.open(f, "rb") as fh:
-      pf = pq.ParquetFile(fh)
-      if column not in pf.schema_arrow.names:
-        raise DataError(f"data.corpus: {f} has no '{column}' column "
-                        f"(columns: {pf.schema_arrow.names})")
-      return [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
+    try:
+      with fs.open(f, "rb") as fh:
+        pf = pq.ParquetFile(fh)
+        names = pf.schema_arrow.names
+        rows = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
+    except (pa.ArrowException, OSError) as e:  # a truncated or empty file: no footer
+      if not _bad_content(e, pa):
+        raise
+      raise DataError(f"data.corpus: {f} is not a readable Parquet file ({e})") from e
+    if column not in names:
+      raise DataError(f"data.corpus: {f} has no '{column}' column (columns: {names})")
+    return rows
 
   with concurrent.futures.ThreadPoolExecutor(16) as pool:  # a bucket answers in parallel
     per_file = list(pool.map(meta, files))
@@ -158,8 +188,19 @@ def _parquet(fs, files: list[str], column: str = "text") -> Corpus:
 
   def read(g):
     i, group = where[g]
-    with fs.open(files[i], "rb") as fh:
-      return pq.ParquetFile(fh).read_row_group(group, columns=[column]).column(0).to_pylist()
+    try:
+      with fs.open(files[i], "rb") as fh:
+        texts = pq.ParquetFile(fh).read_row_group(group, columns=[column]).column(0).to_pylist()
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # a corrupt page or group
+      if not _bad_content(e, pa):
+        raise
+      raise DataError(f"data.corpus: {files[i]} row group {group} cannot be read "
+                      f"({type(e).__name__}: {e})") from e
+    bad = next((k for k, t in enumerate(texts) if not isinstance(t, str)), None)
+    if bad is not None:
+      raise DataError(f"data.corpus: {files[i]} row group {group} row {bad}: '{column}' is "
+                      f"{texts[bad]!r}, expected a string")
+    return texts
 
   return Corpus([n for rows in per_file for n in rows], [i for i, _ in where], read)
 

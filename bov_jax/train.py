@@ -29,6 +29,7 @@ from bov_jax import preemption as preemption_lib
 from bov_jax import process
 from bov_jax import profiler
 from bov_jax import rundir
+from bov_jax import schedule as schedule_lib
 from bov_jax import sharding
 from bov_jax import step as step_lib
 from bov_jax.process import log
@@ -49,32 +50,6 @@ class _Pending:
   out: dict
   data_wait_s: float
   stop: object  # the agreed preemption flag of this step (preemption.py)
-
-
-class Schedule:
-  """The loop's periodic work: named actions, run in the order added after every step
-  (levanter's `Trainer.add_hook(fn, every=)`). An action is due after step s when s is a
-  multiple of its `every` (0: never by count), after the last step unless `at_end` is
-  off, and whenever its `also(s)` says so."""
-
-  def __init__(self, last_step: int):
-    self.last_step = last_step
-    self.actions: dict[str, tuple] = {}
-
-  def add(self, name, fn, every=0, at_end=True, also=None) -> None:
-    self.actions[name] = (fn, every, at_end, also or (lambda step: False))
-
-  def is_due(self, name: str, step: int) -> bool:
-    if name not in self.actions:
-      return False
-    _, every, at_end, also = self.actions[name]
-    return ((every > 0 and step % every == 0) or (at_end and step == self.last_step)
-            or also(step))
-
-  def run(self, step: int) -> None:
-    for name, (fn, *_) in self.actions.items():
-      if self.is_due(name, step):  # decided as it comes: an earlier action may stop the run
-        fn(step)
 
 
 def train(spec, workdir: str | None) -> dict:
@@ -180,9 +155,9 @@ class _Loop:
     self.train_step = None  # compiled before the first step (_compile)
     self.schedule = self._schedule()
 
-  def _schedule(self) -> Schedule:
+  def _schedule(self) -> schedule_lib.Schedule:
     """What runs after each step, in this order."""
-    t, e, s = self.spec.train, self.spec.eval, Schedule(self.n)
+    t, e, s = self.spec.train, self.spec.eval, schedule_lib.Schedule(self.n)
     s.add("preemption", self._check_preemption, every=1)  # no setting: after every step
     s.add("profile", self._profile, at_end=False, also=self.profiler.due)
     s.add("prefetch", self._prefetch, at_end=False, also=self._prefetch_due)
@@ -251,10 +226,32 @@ class _Loop:
     """The next step's global batch [accum, rows, T] (inputs, targets), and the seconds
     the host spent making it."""
     t0 = time.perf_counter()
-    local = np.stack([next(self.it) for _ in range(self.layout.accum)])  # [A, rows, T+1]
+    before = self.it.get_state()
+    try:
+      local = np.stack([next(self.it) for _ in range(self.layout.accum)])  # [A, rows, T+1]
+    except data_lib.DataError as e:
+      raise self._bad_data(e, before) from e
     x = sharding.global_batch(local[:, :, :-1], self.mesh, leading_dims=2)
     y = sharding.global_batch(local[:, :, 1:], self.mesh, leading_dims=2)
     return (x, y), time.perf_counter() - t0
+
+  def _bad_data(self, e: Exception, before) -> Exception:
+    """A corpus file found bad while training: the run stops at a checkpoint of its last
+    step (the data order as it was before the failed batch), so that the same command,
+    once the file is mended, goes on from there. Several processes cannot agree on it
+    (the others wait in the next step): they stop at the last periodic checkpoint."""
+    if self.step < self.first:  # before this run's first step: plain bad input (exit 2)
+      return e
+    saved = self.ckpts.latest_step() if self.ckpts else None
+    if self.ckpts is not None and jax.process_count() == 1 and saved != self.step:
+      self._current()  # the step's loss read (and checked) before it is kept
+      self.it.set_state(before)
+      self._save_now(self.step, last=True)
+      self.ckpts.close()
+      saved = self.step
+    where = f"{rundir.checkpoints(self.workdir)}/{saved}" if saved is not None else "none"
+    return TrainError(f"{e}; stopped after step {self.step} (checkpoint: {where}). Mend or "
+                      "replace that file and run the same command to resume")
 
   def _dispatch(self) -> None:
     """Runs the next step on the loaded batch, then reads the step before it: the
@@ -350,11 +347,14 @@ class _Loop:
   def _save(self, step: int) -> None:
     """A checkpoint of this step, then the next batch (whose loading it waited for)."""
     last = step == self.n or self.stopping
+    self._save_now(step, last)
+    if not last:
+      self.batch = self._load()
+
+  def _save_now(self, step: int, last: bool) -> None:
     self.ckpts.save(step, self.params, self.opt_state, self.it,
                     {"step": step, "train_loss": self.record.get("train_loss"),
                      "processes": jax.process_count()}, force=last)
-    if not last:
-      self.batch = self._load()
 
   def _sample(self, step: int) -> None:
     """A greedy continuation of sample.prompt (every process runs the jitted steps;

@@ -211,3 +211,15 @@ def reference_logits(sd, model_type, dims, idx):
     x = x + np.maximum(_rms(x) @ sd[f"{h}.mlp.c_fc.weight"].T, 0) ** 2 @ sd[f"{h}.mlp.c_proj.weight"].T
   z = (_rms(x) @ sd["lm_head.weight"].T)[..., : dims["vocab_size"]]
   return 15.0 * np.tanh(z / 15.0)
+
+
+def corrupt_row_group(path, group):
+  """Flips bytes in the middle of a row group's column chunk (its compressed pages)."""
+  import pyarrow.parquet as pq
+  m = pq.ParquetFile(path).metadata.row_group(group).column(0)
+  start = m.dictionary_page_offset or m.data_page_offset
+  raw = bytearray(path.read_bytes())
+  n = m.total_compressed_size
+  for i in range(start + n // 3, start + n // 3 + n // 4):
+    raw[i] ^= 0x5A
+  path.write_bytes(bytes(raw))

@@ -1,11 +1,13 @@
 """Corpora (text, JSONL, Parquet; local or bucket), the held-out split, fetching ClimbMix."""
 import os
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from bov_jax import corpus
+from tests.helpers import corrupt_row_group
 
 
 def write_shards(d, n_files, rows, group=2, prefix="s"):
@@ -48,6 +50,60 @@ def test_corpus_errors_are_named(tmp_path):
   pq.write_table(pa.table({"content": ["x"]}), tmp_path / "c.parquet")
   with pytest.raises(corpus.DataError, match="no 'text' column"):
     corpus.open_corpus(str(tmp_path / "c.parquet"))
+
+
+def test_bad_files_are_named_by_file_and_place(tmp_path):
+  d = tmp_path / "pq"
+  rng = np.random.default_rng(0)
+  texts = ["".join(rng.choice(list("abcdefgh "), 300)) for _ in range(40)]
+  pq.write_table(pa.table({"text": texts}),
+                 tmp_path / "whole.parquet", row_group_size=10, compression="snappy")
+  d.mkdir()
+  raw = (tmp_path / "whole.parquet").read_bytes()
+  (d / "shard_00000.parquet").write_bytes(raw)
+  (d / "shard_00001.parquet").write_bytes(raw[:len(raw) // 2])  # a truncated copy
+  with pytest.raises(corpus.DataError, match=r"data\.corpus: .*shard_00001\.parquet is not a "
+                     "readable Parquet file .*footer"):
+    corpus.open_corpus(str(d))
+  (d / "shard_00001.parquet").write_bytes(b"")
+  with pytest.raises(corpus.DataError, match=r"shard_00001\.parquet is not a readable Parquet "
+                     "file .*0 bytes"):
+    corpus.open_corpus(str(d))
+  (d / "shard_00001.parquet").unlink()
+  corrupt_row_group(d / "shard_00000.parquet", 2)
+  c = corpus.open_corpus(str(d))  # the footer reads: the damage shows when group 2 is read
+  assert len(c.read(1)) == 10
+  with pytest.raises(corpus.DataError, match=r"data\.corpus: .*shard_00000\.parquet row group 2 "
+                     "cannot be read"):
+    c.read(2)
+  utf8 = pa.array([b"fine", b"bad \xff\xfe"], pa.binary()).cast(pa.string(), safe=False)
+  pq.write_table(pa.table({"text": utf8}), tmp_path / "u.parquet")
+  with pytest.raises(corpus.DataError, match=r"u\.parquet row group 0 cannot be read "
+                     r"\(UnicodeDecodeError"):
+    corpus.open_corpus(str(tmp_path / "u.parquet")).read(0)
+  pq.write_table(pa.table({"text": ["a", None]}), tmp_path / "n.parquet")
+  with pytest.raises(corpus.DataError, match=r"n\.parquet row group 0 row 1: 'text' is None"):
+    corpus.open_corpus(str(tmp_path / "n.parquet")).read(0)
+  (tmp_path / "t.txt").write_bytes(b"one\ntwo\n\xff three\n")
+  with pytest.raises(corpus.DataError, match=r"data\.corpus: .*t\.txt line 3 is not UTF-8"):
+    corpus.open_corpus(str(tmp_path / "t.txt"))
+  (tmp_path / "j.jsonl").write_text('{"text": "a"}\n{"text": "b"\n')
+  with pytest.raises(corpus.DataError, match=r"j\.jsonl line 2 is not a JSON object"):
+    corpus.open_corpus(str(tmp_path / "j.jsonl"))
+  (tmp_path / "k.jsonl").write_text('{"text": 3}\n')
+  with pytest.raises(corpus.DataError, match=r"k\.jsonl line 1: 'text' is a int"):
+    corpus.open_corpus(str(tmp_path / "k.jsonl"))
+
+
+def test_one_text_file_is_a_corpus_of_its_paragraphs(tmp_path):
+  paragraphs = [f"Paragraph {i}.\n" + "some words " * 30 for i in range(40)]
+  (tmp_path / "book.txt").write_text("\n\n".join(paragraphs))
+  c = corpus.open_corpus(str(tmp_path / "book.txt"))
+  docs = list(c.documents())
+  assert 5 < len(docs) < 40 and all(len(d) <= 1500 for d in docs)  # merged up to 1,500 chars
+  assert "\n\n".join(docs) == "\n\n".join(paragraphs)  # nothing lost or reordered
+  train, val = corpus.split(c, "auto", 4, n_files=0)
+  assert len(list(val.documents())) > 0 and len(list(train.documents())) > 0
 
 
 def test_every_nth_split_is_fixed_and_process_shares_are_disjoint():

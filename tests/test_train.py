@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from bov_jax import bpb
+from bov_jax import data as data_lib
 from bov_jax import process
 from bov_jax import step as step_lib
 from tests.helpers import TINY_RUN
@@ -336,3 +337,66 @@ def test_one_run_owns_a_run_directory(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   assert "taking over from a run that ended without releasing it" in out.stdout
   assert os.path.exists(os.path.join(wd, "DONE")) and not os.path.exists(os.path.join(wd, "LOCK"))
+
+
+def _parquet_corpus(d, n_files=3, docs=1000):
+  """Shards of short random documents, row groups of 50: a corpus a few hundred tiny steps
+  read more than once."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  rng = np.random.default_rng(0)
+  words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(2, 9)))
+           for _ in range(3000)]
+  d.mkdir(parents=True)
+  for k in range(n_files):
+    texts = [f"Document {k}.{i}. " + " ".join(rng.choice(words, 20)) for i in range(docs)]
+    pq.write_table(pa.table({"text": texts}), d / f"shard_{k:05d}.parquet", row_group_size=50,
+                   compression="snappy")
+
+
+@pytest.mark.slow
+def test_a_bad_corpus_file_is_named_before_or_during_training(tmp_path):
+  """A shard without its footer exits 2 naming it, before anything is written; a row group
+  that cannot be read mid-run stops the run at a checkpoint (exit 1) naming the file and
+  the group, and the same command, once the file is mended, finishes as the run would have."""
+  from bov_jax import corpus
+  from tests.helpers import corrupt_row_group
+  good, bad = tmp_path / "good", tmp_path / "bad"
+  _parquet_corpus(good)
+  bad.mkdir()
+  for p in good.iterdir():
+    (bad / p.name).write_bytes(p.read_bytes())
+  args = [f"--config.data.corpus={bad}", "--config.data.tokenizer_chars=20000",
+          "--config.train.num_iterations=120", "--config.train.checkpoint_every=50",
+          "--config.train.eval_every=200", "--config.train.log_every=10",
+          "--config.train.sample_tokens=0"]
+  shard = bad / "shard_00001.parquet"
+  shard.write_bytes(shard.read_bytes()[:-100])
+  out = _main(tmp_path / "early", *args)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert out.stderr.strip().splitlines() == [
+      f"error: data.corpus: {shard} is not a readable Parquet file (Parquet magic bytes not "
+      "found in footer. Either the file is corrupted or this is not a parquet file.)"]
+  assert not (tmp_path / "early").exists()
+  # a row group of the first epoch's ninth window: read well after the packer's first fill
+  shard.write_bytes((good / shard.name).read_bytes())
+  train, _ = corpus.split(corpus.open_corpus(str(good)), "auto", 1, 3)
+  late = next(int(g) for g in data_lib.TrainWindows(train, None, 0).groups(8) if g >= 20) - 20
+  corrupt_row_group(shard, late)
+  wd = tmp_path / "run"
+  out = _main(wd, *args)
+  assert out.returncode == 1, out.stderr[-2000:]
+  lines = out.stderr.strip().splitlines()
+  stop = re.fullmatch(rf"error: data\.corpus: {re.escape(str(shard))} row group {late} cannot be "
+                      r"read \(OSError: .*\); stopped after step (\d+) \(checkpoint: \S+/(\d+)\)\. "
+                      "Mend or replace that file and run the same command to resume", lines[-1])
+  assert len(lines) == 1 and stop, out.stderr[-2000:]
+  assert 0 < int(stop[1]) == int(stop[2]) < 120 and (wd / "checkpoints" / stop[1]).is_dir()
+  shard.write_bytes((good / shard.name).read_bytes())
+  out = _main(wd, *args)
+  assert out.returncode == 0 and (wd / "DONE").exists(), out.stderr[-2000:]
+  assert f"resumed from {wd}/checkpoints/{stop[1]}" in out.stdout
+  whole = tmp_path / "whole"
+  assert _main(whole, *args).returncode == 0
+  assert _metrics(wd)[-1]["train_loss"] == pytest.approx(_metrics(whole)[-1]["train_loss"],
+                                                          rel=1e-6)
