@@ -119,6 +119,7 @@ def memory(compiled) -> dict:
   peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
   out["peak_bytes"] = peak or (out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"]
                                + out["code_bytes"] - out["alias_bytes"])
+  out["peak_counts"] = "live" if peak else "sum"
   return out
 
 
@@ -258,7 +259,11 @@ LOWER_DECODE = "a mesh that splits more (mesh.fsdp, mesh.tensor), or a shorter m
 def memory_line(name: str, m: dict, hbm: int | None = None) -> str:
   """One line of a program's bytes per chip (and its compile seconds where measured)."""
   of = f" of {hbm / GiB:.2f} GiB HBM ({100 * m['peak_bytes'] / hbm:.0f}%)" if hbm else " per device"
-  line = (f"{name}: peak {m['peak_bytes'] / GiB:.2f} GiB{of} | arguments "
+  # The compiler's peak is what is live at once (its heap simulation); the temporaries are
+  # their whole allocation, which the peak can be under where buffers take turns.
+  counts = ("the most live at once" if m.get("peak_counts", "live") == "live"
+            else "the parts summed, the compiler gives no peak")
+  line = (f"{name}: peak {m['peak_bytes'] / GiB:.2f} GiB{of} ({counts}) | allocated: arguments "
           f"{m['argument_bytes'] / GiB:.2f}, outputs {m['output_bytes'] / GiB:.2f}, temporaries "
           f"{m['temp_bytes'] / GiB:.2f}, code {m['code_bytes'] / GiB:.2f} GiB")
   return line + (f" | compile {m['compile_s']:.1f} s" if "compile_s" in m else "")

@@ -8,6 +8,9 @@ half-written checkpoint that looks finished.
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 from typing import NamedTuple
 
 import jax
@@ -31,6 +34,23 @@ def _abstract(tree):
   def leaf(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or device)
   return jax.tree.map(leaf, tree)
+
+
+def _check_room(directory: str, step: int, tree) -> None:
+  """A local disk without room for this process's part of a step fails here, in one
+  error, rather than in orbax's writer threads (a traceback for each, then a partial
+  step). Buckets have no free space to ask about."""
+  if "://" in directory:
+    return
+  need = sum(s.data.nbytes for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)
+             for s in x.addressable_shards if s.replica_id == 0)
+  probe = directory
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe) or "."
+  free = shutil.disk_usage(probe).free
+  if free < need:
+    raise OSError(errno.ENOSPC, f"no space left on device for checkpoint {step}: it needs "
+                  f"{need / 2**20:,.1f} MiB, {directory} has {free / 2**20:,.1f} MiB free")
 
 
 class Restored(NamedTuple):
@@ -64,6 +84,7 @@ class Checkpoints:
 
   def save(self, step: int, params, opt_state=None, data_iter=None, meta: dict | None = None,
            force: bool = False):
+    _check_room(rundir.checkpoints(self.workdir), step, (params, opt_state))
     items = {"params": ocp.args.StandardSave(params), "meta": ocp.args.JsonSave(meta or {})}
     if opt_state is not None:
       items["opt"] = ocp.args.StandardSave(opt_state)

@@ -1,20 +1,35 @@
-"""What every command shares: its flags parsed so that bad input exits 2 in one line.
+"""What every command shares: its exit codes (0 done, 1 the run or its environment
+failed, 2 bad input), each failure one `error:` line.
 
 `run(main)` is `absl.app.run` with this parser. absl's own reports a value of the wrong
 type as a fatal error with exit 1, and ml_collections an unknown `--config.FIELD` as a
 traceback; both are bad input, named here by the flag as written, with the setting's
-likely intended name where ml_collections suggests one.
+likely intended name where ml_collections suggests one. `failed(e)` tells the two kinds of
+failure apart: a full disk, a lost connection to a bucket, a device out of memory are the
+environment's (1), whatever the library wraps them in; a setting, a file or a directory
+that is not what was expected is the input's (2).
 """
 
 from __future__ import annotations
 
+import logging as pylogging
+import os
 import re
 import sys
 
 from absl import app
 from absl import flags
+from absl import logging
 
-BAD_INPUT = 2  # the README's exit codes: 0 done, 1 the run (or its environment) failed
+from bov_jax import hostmem
+
+FAILED = 1     # the README's exit codes: 0 done, 1 the run (or its environment) failed,
+BAD_INPUT = 2  # 2 bad input
+# absl status codes (tensorstore's, so orbax's, and XLA's) that name a failure of storage,
+# the network or memory, not of what was asked
+_STATUS = ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "PERMISSION_DENIED",
+           "UNAUTHENTICATED", "ABORTED", "DATA_LOSS")
+_NETWORK = ("aiohttp", "gcsfs", "google", "requests", "urllib3")  # their errors: the network's
 
 
 def bad_input(message: str):
@@ -38,5 +53,74 @@ def parse_flags(argv):
               + (f" (did you mean {hint.group(1)}?)" if hint else ""))
 
 
-def run(main) -> None:
-  app.run(main, flags_parser=parse_flags)
+def environment_cause(e: BaseException) -> BaseException | None:
+  """The failure of the machine, its storage or the network behind `e` (e itself or what
+  raised it), or None. The library's own ValueErrors are bad input and carry their cause
+  already judged (a Parquet page pyarrow cannot decode is the file's fault)."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if str(e).startswith(_STATUS):
+      return e
+    if isinstance(e, ValueError):
+      return None
+    if isinstance(e, (MemoryError, ConnectionError, TimeoutError)) or (
+        isinstance(e, OSError)
+        and not isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError))):
+      return e
+    if type(e).__module__.split(".")[0] in _NETWORK:
+      return e
+    e = e.__cause__ or e.__context__
+  return None
+
+
+def _line(e: BaseException) -> str:
+  text = str(e).strip() or type(e).__name__
+  return " ".join(text.split())
+
+
+def failed(e: BaseException) -> int:
+  """Prints `e` as the one `error:` line and returns its exit code: FAILED for the
+  environment's failure (its cause named), BAD_INPUT otherwise."""
+  cause = environment_cause(e)
+  if cause is None:
+    print(f"error: {e}", file=sys.stderr)
+    return BAD_INPUT
+  said = _line(e) if cause is e else f"{_line(e)}: {type(cause).__name__}: {_line(cause)}"
+  print(f"error: {said} (the machine, its storage or the network failed, not the input; "
+        "the same command can run again once that is mended)", file=sys.stderr)
+  return FAILED
+
+
+def _quiet() -> None:
+  """The console keeps to the command's own lines: orbax and grain log every file
+  operation at INFO, gcsfs a traceback per retry (its last failure is the error line)."""
+  logging.set_verbosity(logging.WARNING)
+  pylogging.getLogger("gcsfs").setLevel(pylogging.CRITICAL)
+
+
+def cpu_when_no_accelerator() -> None:
+  """With no accelerator here, JAX runs on the CPU without probing for one: libtpu
+  (installed for --mode=compile) would log start-up errors looking for a TPU."""
+  if "JAX_PLATFORMS" in os.environ or not hostmem.cpu_only():
+    return
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  if "jax" in sys.modules:  # imported already: its setting read the environment before this
+    sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
+def _guarded(main, argv):
+  _quiet()
+  try:
+    return main(argv)
+  except Exception as e:
+    if environment_cause(e) is None:
+      raise  # not the environment and not caught as bad input: a bug, with its traceback
+    sys.exit(failed(e))
+
+
+def run(main, flags_parser=parse_flags) -> None:
+  """absl.app.run(main) with the parser above; a failure of the environment that `main`
+  does not catch exits 1 in one line."""
+  cpu_when_no_accelerator()
+  app.run(lambda argv: _guarded(main, argv), flags_parser=flags_parser)

@@ -219,9 +219,8 @@ def main(argv) -> int:
   except extras.MissingExtra as e:
     print(f"error: {e}", file=sys.stderr)
     return extras.EXIT
-  except (ConversionError, ValueError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  except (ConversionError, ValueError, OSError) as e:  # bad input (2), or it failed (1)
+    return cli.failed(e)
   print(json.dumps({"checkpoint": path}))
   return 0
 

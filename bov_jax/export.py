@@ -214,7 +214,8 @@ def model_card(spec, metrics: list[dict], step: int) -> str:
 
 def export(workdir: str, out: str, step: int | None = None, dtype: str | None = None,
            max_shard_bytes: int = 5 * 2**30) -> dict:
-  """Writes the folder; returns {"out", "step", "files"}."""
+  """Writes the folder; returns {"out", "step", "files"}: every file written, the weights'
+  first."""
   import jax
   from flax import nnx
 
@@ -247,7 +248,10 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str | None = 
   (root / rundir.EXPORT_TOKENIZER).write_text(json.dumps(tok_lib.hf_json(tok)))
   records = rundir.read_metrics(workdir) or []
   (root / rundir.MODEL_CARD).write_text(model_card(spec, records, restored.step))
-  return {"out": str(root), "step": int(restored.step), "files": files}
+  written = [str(root / n) for n in (rundir.EXPORT_CONFIG, rundir.RUN_CONFIG, tok_lib.PICKLE,
+                                     tok_lib.TOKEN_BYTES, rundir.EXPORT_TOKENIZER,
+                                     rundir.MODEL_CARD)]
+  return {"out": str(root), "step": int(restored.step), "files": files + written}
 
 
 def main(argv) -> int:
@@ -260,9 +264,8 @@ def main(argv) -> int:
     raise app.UsageError("--workdir=DIR and --out=DIR2 are required")
   try:
     result = export(f.workdir, f.out, f.step, f.dtype, int(f.max_shard_gib * 2**30))
-  except (ExportError, ValueError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  except (ExportError, ValueError, OSError) as e:  # bad input (2), or the environment failed (1)
+    return cli.failed(e)
   print(json.dumps(result))
   return 0
 

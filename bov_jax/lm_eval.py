@@ -271,9 +271,8 @@ def main(argv) -> int:
     record = evaluate(f.workdir, f.tasks or [], f.num_fewshot, f.limit, f.include_path,
                       f.output, f.batch_size, f.max_gen_toks, f.seed,
                       log=lambda s: print(s, file=sys.stderr))
-  except (ValueError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  except (ValueError, OSError) as e:  # bad input (2), or the environment failed (1)
+    return cli.failed(e)
   except extras.MissingExtra as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
@@ -282,13 +281,7 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-  import os
-
   from absl import flags
-
-  from bov_jax import hostmem
-  if hostmem.cpu_only():  # as bov_jax.main: no accelerator, JAX need not look for one
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
   flags.DEFINE_string("workdir", None, "a run directory or an exported folder (export.py)")
   flags.DEFINE_list("tasks", None, "lm-eval task names (comma-separated)")
   flags.DEFINE_integer("num_fewshot", None, "examples in front of each request (lm-eval's)")

@@ -12,7 +12,6 @@ import sys
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
 from bov_jax import cli
@@ -121,17 +120,14 @@ def run_mode(mode: str, cfg, workdir: str | None) -> int:
     if mode == "train":
       return train.PREEMPTED_EXIT if train.train(spec, workdir).get("preempted") else 0
     return modes.evaluate_or_sample(mode, spec, cfg, workdir)
-  except (ValueError, FileNotFoundError) as e:  # config, data, run-directory, bundle errors
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  except (ValueError, OSError) as e:  # config, data, run-directory, bundle errors (2), or
+    return cli.failed(e)              # a disk, bucket or device that failed (1)
   except (train.TrainError, checkpoint.CorruptCheckpointError, extras.MissingExtra) as e:
     print(f"error: {e}", file=sys.stderr)  # the run failed, or cannot run here
-    return 1
+    return cli.FAILED
 
 
 def main(argv):
-  # orbax and grain log every file operation at INFO; keep the console to our progress lines
-  logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
@@ -147,7 +143,5 @@ def main(argv):
 
 if __name__ == "__main__":
   from bov_jax import hostmem
-  if hostmem.cpu_only():  # no accelerator here: JAX need not start (and libtpu, installed
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # for --mode=compile, not log about) others
   hostmem.reexec_with_huge_pages()  # before jax starts, CPU runs only: see hostmem.py
   cli.run(main)

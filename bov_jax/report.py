@@ -179,9 +179,8 @@ def main(argv) -> int:
     if not flags.FLAGS.out:
       raise app.UsageError("--out=DIR is required (or --coeffs)")
     loaded = [load_run(d) for d in runs]
-  except (FileNotFoundError, ValueError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  except (ValueError, OSError) as e:  # bad input (2), or the environment failed (1)
+    return cli.failed(e)
   out = epath.Path(flags.FLAGS.out)
   out.mkdir(parents=True, exist_ok=True)
   (out / RESULTS).write_text(markdown_table(loaded))  # the tables need no plotting library

@@ -27,6 +27,7 @@ from typing import NamedTuple
 from absl import app
 from absl import flags
 
+from bov_jax import cli
 from bov_jax import rundir
 
 BUDGET_KEYS = ("train.target_flops", "train.num_iterations")
@@ -172,5 +173,5 @@ def main(argv) -> int:
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(lambda argv: sys.exit(main(argv)),
+  cli.run(lambda argv: sys.exit(main(argv)),
           flags_parser=lambda argv: flags.FLAGS(argv, known_only=True))

@@ -33,6 +33,7 @@ RESERVED_TOKENS = [  # nanochat's special tokens, in its order
     "<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
     "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>"]
 BOS = "<|bos|>"
+TOKEN_BYTES = "token_bytes.npy"
 PICKLE = "tokenizer.pkl"
 DOC_CAP = 10_000  # the reference trains on each document's first 10,000 characters
 
@@ -93,7 +94,7 @@ class Tokenizer:
     (d / PICKLE).write_bytes(pickle.dumps(self.enc))
     buf = io.BytesIO()
     np.save(buf, self.token_bytes())
-    (d / "token_bytes.npy").write_bytes(buf.getvalue())
+    (d / TOKEN_BYTES).write_bytes(buf.getvalue())
 
 
 # -- the Hugging Face `tokenizers` format ---------------------------------------------
@@ -262,9 +263,8 @@ def main(argv) -> int:
       raise app.UsageError("encode needs --tokenizer=PATH")
     print(json.dumps(load(f.tokenizer).encode(sys.stdin.read(), bos=f.bos)))
     return 0
-  except (TokenizerError, ValueError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  except (TokenizerError, ValueError, OSError) as e:  # bad input (2), or it failed (1)
+    return cli.failed(e)
 
 
 if __name__ == "__main__":

@@ -140,9 +140,10 @@ class _Loop:
     self.step = self._restore()  # the last step done: 0 for a new run
     self.first = self.step + 1   # its first step here compiles
     self.writer = metrics.Writer(workdir, self.step, spec.log, json.loads(spec.config_json))
-    peak = metrics.peak_flops() * jax.device_count()
-    self.tput = metrics.Throughput(spec.train.batch_tokens,
-                                   plan.flops_per_token(spec.model), peak)
+    n_dev, cpu = jax.device_count(), jax.devices()[0].platform == "cpu"
+    self.tput = metrics.Throughput(
+        spec.train.batch_tokens, plan.flops_per_token(spec.model), metrics.peak_flops() * n_dev,
+        remeasure=(lambda: metrics.peak_flops(again=True) * n_dev) if cpu else None)
     self.preemption = preemption_lib.Preemption(mesh)
     self.profiler = profiler.Profiler(workdir, spec.log.profile_start_step,
                                       spec.log.profile_steps)

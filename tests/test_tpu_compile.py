@@ -187,3 +187,12 @@ def test_bad_topology_and_programs_exit_2():
   assert out.returncode == 2 and "--programs" in out.stderr and "serve" in out.stderr
   out = _main("--config=configs/tiny.py")
   assert out.returncode == 2 and "--topology" in out.stderr
+
+
+def test_the_memory_line_says_what_its_peak_counts():
+  m = {"argument_bytes": 2 * aot.GiB, "output_bytes": aot.GiB, "temp_bytes": 5 * aot.GiB,
+       "code_bytes": 0, "alias_bytes": 0, "peak_bytes": 3 * aot.GiB, "peak_counts": "live"}
+  line = aot.memory_line("train_step", m, 16 * aot.GiB)
+  assert line.startswith("train_step: peak 3.00 GiB of 16.00 GiB HBM (19%) (the most live at "
+                         "once) | allocated: arguments 2.00, outputs 1.00, temporaries 5.00")
+  assert "(the parts summed" in aot.memory_line("eval_step", dict(m, peak_counts="sum"))
