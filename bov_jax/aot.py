@@ -1,14 +1,13 @@
 """Ahead-of-time compilation for a TPU slice, on any host (`--mode=compile`).
 
-With libtpu installed (`pip install '.[tpu]'`), `jax.experimental.topologies` describes
-the chips of a slice without owning one, and a jitted function lowered with
-shardings over them compiles with the TPU compiler itself, which reports each chip's
-memory (`memory_analysis`) and refuses a program that overflows HBM. This builds a
-run's programs exactly as `--mode=train` and `--mode=sample` build them on that slice
-(the spec resolved for TPU, its mesh, batch layout, shardings, optimizer and abstract
-state: nothing is allocated) and compiles each: the train step, the eval step, and
-decoding's prefill and decode step over a cache of `model.sequence_len` positions.
-MaxText's `train_compile.py` is the model.
+With libtpu installed (`pip install '.[tpu]'`), `jax.experimental.topologies` describes the
+chips of a slice without owning one, and a jitted function lowered with shardings over them
+compiles with the TPU compiler itself, which reports each chip's memory (`memory_analysis`)
+and refuses a program that overflows HBM. This builds a run's programs exactly as
+`--mode=train` and `--mode=sample` build them on that slice (the spec resolved for TPU, its
+mesh, batch layout, shardings, optimizer and abstract state: nothing is allocated) and
+compiles each: the train step, the eval step, and decoding's prefill and decode step over a
+cache of `model.sequence_len` positions. MaxText's `train_compile.py` is the model.
 
 Compile-only devices report no memory size, so HBM per chip comes from `CHIPS` (what
 the compiler says a chip has for programs when one overflows). The persistent
@@ -63,8 +62,7 @@ CHIPS = {
     "v4": Chip("v4", "megacore", int(30.75 * GiB), 2, _CUBE),
     "v5p": Chip("v5p", "megacore", int(95.74 * GiB), 2, _CUBE),
     "v5e": Chip("v5e", "default", int(15.75 * GiB), 1, _PLANE),
-    "v6e": Chip("v6e", "default", int(31.25 * GiB), 1, _PLANE),
-}
+    "v6e": Chip("v6e", "default", int(31.25 * GiB), 1, _PLANE)}
 ALIASES = {"v5litepod": "v5e"}
 
 
@@ -111,11 +109,9 @@ def memory(compiled) -> dict:
   code, aliased (outputs written over donated arguments), and the peak (the compiler's
   own figure where it reports one, else their sum less the aliasing)."""
   m = compiled.memory_analysis()
-  out = {"argument_bytes": int(m.argument_size_in_bytes),
-         "output_bytes": int(m.output_size_in_bytes),
-         "temp_bytes": int(m.temp_size_in_bytes),
-         "code_bytes": int(m.generated_code_size_in_bytes),
-         "alias_bytes": int(m.alias_size_in_bytes)}
+  out = {"argument_bytes": int(m.argument_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
+         "output_bytes": int(m.output_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes),
+         "code_bytes": int(m.generated_code_size_in_bytes)}
   peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
   out["peak_bytes"] = peak or (out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"]
                                + out["code_bytes"] - out["alias_bytes"])
@@ -257,12 +253,11 @@ LOWER_DECODE = "a mesh that splits more (mesh.fsdp, mesh.tensor), or a shorter m
 
 
 def memory_line(name: str, m: dict, hbm: int | None = None) -> str:
-  """One line of a program's bytes per chip (and its compile seconds where measured)."""
+  """One line of a program's bytes per chip (and its compile seconds where measured). The
+  compiler's peak is what is live at once; temporaries, all allocated (buffers take turns)."""
   of = f" of {hbm / GiB:.2f} GiB HBM ({100 * m['peak_bytes'] / hbm:.0f}%)" if hbm else " per device"
-  # The compiler's peak is what is live at once (its heap simulation); the temporaries are
-  # their whole allocation, which the peak can be under where buffers take turns.
-  counts = ("the most live at once" if m.get("peak_counts", "live") == "live"
-            else "the parts summed, the compiler gives no peak")
+  counts = {"live": "the most live at once"}.get(m.get("peak_counts", "live"),
+                                                 "the parts summed, the compiler gives no peak")
   line = (f"{name}: peak {m['peak_bytes'] / GiB:.2f} GiB{of} ({counts}) | allocated: arguments "
           f"{m['argument_bytes'] / GiB:.2f}, outputs {m['output_bytes'] / GiB:.2f}, temporaries "
           f"{m['temp_bytes'] / GiB:.2f}, code {m['code_bytes'] / GiB:.2f} GiB")
