@@ -174,6 +174,7 @@ def test_a_damaged_checkpoint_is_set_aside_and_written_again(tmp_path):
     assert ("metrics.jsonl: cut 22 bytes of a torn last line" in out.stdout) == (n == 0)
     aside = f"checkpoints/20.damaged{'.1' if n else ''}"
     assert "checkpoints/20 does not read back whole" in out.stdout and aside in out.stdout
+    assert "Traceback" not in out.stderr and "never retrieved" not in out.stderr, out.stderr
     assert re.search(r"resumed from \S*/checkpoints/10\b", out.stdout), out.stdout
     assert (ckpts / aside.split("/")[1]).is_dir() and (ckpts / "20" / "opt").is_dir()
     assert pathlib.Path(wd, "DONE").exists()
