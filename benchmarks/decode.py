@@ -22,8 +22,8 @@ from flax import nnx
 
 from benchmarks import common
 from bov_jax import inference
+from bov_jax import initialize
 from bov_jax import kvcache
-from bov_jax import model as model_lib
 from bov_jax import spec as spec_lib
 from bov_jax import values
 from bov_jax.kernels import bank_decode
@@ -43,7 +43,7 @@ def bench_decode(cfg, contexts, batch: int, steps: int) -> list[dict]:
       c = cfg.copy_and_resolve_references()
       c.model.sequence_len = max(c.model.sequence_len, context)  # windows follow it
       ms = bank_decode.resolve(dataclasses.replace(spec_lib.resolve(c).model, value=m))
-      model = model_lib.init(ms, jax.random.key(0))
+      model = initialize.init(ms, jax.random.key(0))
       graphdef, params = nnx.split(model)
       n = min(steps, context - 1)
       lengths = jnp.full((batch,), context - n, jnp.int32)

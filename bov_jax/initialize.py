@@ -7,7 +7,10 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from bov_jax import model as model_lib
+from bov_jax import spec as spec_lib
 from bov_jax.model import GPT
 from bov_jax.model import rmsnorm
 
@@ -93,3 +96,16 @@ def _draw(key, draws):
           keys, a, b)
     out.update((n, x[j]) for j, n in enumerate(names))
   return out
+
+
+def init(spec: spec_lib.ModelSpec, key, shardings=None) -> GPT:
+  """An initialised model, built inside one jit so no tensor exists twice; with
+  `shardings` (a pure dict like the parameters) every parameter is created sharded."""
+  graphdef = nnx.graphdef(model_lib.abstract(spec))
+
+  def make(k):
+    model = GPT(spec)
+    init_weights(model, k)
+    return nnx.to_pure_dict(nnx.state(model))
+
+  return nnx.merge(graphdef, jax.jit(make, out_shardings=shardings)(key))

@@ -10,8 +10,8 @@ tokens against it. Parameters carry logical axis names (`logical=`); sharding.py
 maps them to mesh axes. Layers run as stages (spec.Stage): a block of layers that
 repeats runs under one `lax.scan`, so compile time does not grow with depth.
 Modules create zero-filled parameters; `initialize.init_weights` is the whole
-initialisation in one function, as in nanochat, and `init` the one way to build an
-initialised model.
+initialisation in one function, as in nanochat, and `initialize.init` the one way to
+build an initialised model.
 """
 
 from __future__ import annotations
@@ -354,18 +354,3 @@ class _FrozenDict(dict):
 def abstract(spec: ModelSpec) -> GPT:
   """The model's structure and shapes, nothing allocated."""
   return nnx.eval_shape(lambda: GPT(spec))
-
-
-def init(spec: ModelSpec, key, shardings=None) -> GPT:
-  """An initialised model, built inside one jit so no tensor exists twice; with
-  `shardings` (a pure dict like the parameters) every parameter is created sharded."""
-  graphdef = nnx.graphdef(abstract(spec))
-
-  from bov_jax import initialize  # it reads this module's rmsnorm
-
-  def make(k):
-    model = GPT(spec)
-    initialize.init_weights(model, k)
-    return nnx.to_pure_dict(nnx.state(model))
-
-  return nnx.merge(graphdef, jax.jit(make, out_shardings=shardings)(key))

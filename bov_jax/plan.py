@@ -128,10 +128,40 @@ def param_dtypes(m: spec_lib.ModelSpec) -> dict:
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+  """How one optimizer step's train.batch_tokens are laid out."""
+  rows_per_device: int  # per micro-batch
+  accum: int            # micro-batches per step
+  local_rows: int       # rows per micro-batch that this process loads
+
+
+def batch_layout(spec: spec_lib.RunSpec, n_devices: int | None = None,
+                 n_local: int | None = None) -> BatchLayout:
+  """Rows per device per micro-batch: train.device_batch_size, or fewer when one step's
+  batch is smaller than that many rows on every device; then as many micro-batches as
+  reach train.batch_tokens."""
+  n_dev = jax.device_count() if n_devices is None else n_devices
+  n_local = jax.local_device_count() if n_local is None else n_local
+  T, tokens = spec.model.sequence_len, spec.train.batch_tokens
+  rows_total = tokens // T
+  if tokens % T or rows_total % n_dev:
+    raise config_lib.ConfigError(
+        f"train.batch_tokens={tokens} must be a multiple of "
+        f"model.sequence_len x devices = {T} x {n_dev} = {T * n_dev}")
+  per_device = min(spec.train.device_batch_size, rows_total // n_dev)
+  if (rows_total // n_dev) % per_device:
+    raise config_lib.ConfigError(
+        f"train.batch_tokens={tokens} must be a multiple of "
+        f"train.device_batch_size x devices x model.sequence_len = "
+        f"{per_device} x {n_dev} x {T} = {per_device * n_dev * T}")
+  return BatchLayout(rows_per_device=per_device, accum=rows_total // (per_device * n_dev),
+                     local_rows=per_device * n_local)
+
+
 def make_plan(spec: spec_lib.RunSpec) -> dict:
-  from bov_jax import step  # the batch's layout is the train step's rule (step imports plan)
   n_dev = _devices(spec)
-  step.batch_layout(spec, n_dev, n_dev)  # a batch the run could not lay out is refused here
+  batch_layout(spec, n_dev, n_dev)  # a batch the run could not lay out is refused here
   m = spec.model
   mode = m.value
   counts = param_counts(m)

@@ -17,44 +17,15 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from bov_jax import config as config_lib
+from bov_jax import initialize
 from bov_jax import model as model_lib
 from bov_jax import optim
 from bov_jax import plan
 from bov_jax import sharding
 from bov_jax import state_layout
+from bov_jax.plan import BatchLayout  # noqa: F401  (re-exported: scripts call step.*)
+from bov_jax.plan import batch_layout
 from bov_jax.spec import RunSpec
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchLayout:
-  """How one optimizer step's train.batch_tokens are laid out."""
-  rows_per_device: int  # per micro-batch
-  accum: int            # micro-batches per step
-  local_rows: int       # rows per micro-batch that this process loads
-
-
-def batch_layout(spec: RunSpec, n_devices: int | None = None,
-                 n_local: int | None = None) -> BatchLayout:
-  """Rows per device per micro-batch: train.device_batch_size, or fewer when one step's
-  batch is smaller than that many rows on every device; then as many micro-batches as
-  reach train.batch_tokens."""
-  n_dev = jax.device_count() if n_devices is None else n_devices
-  n_local = jax.local_device_count() if n_local is None else n_local
-  T, tokens = spec.model.sequence_len, spec.train.batch_tokens
-  rows_total = tokens // T
-  if tokens % T or rows_total % n_dev:
-    raise config_lib.ConfigError(
-        f"train.batch_tokens={tokens} must be a multiple of "
-        f"model.sequence_len x devices = {T} x {n_dev} = {T * n_dev}")
-  per_device = min(spec.train.device_batch_size, rows_total // n_dev)
-  if (rows_total // n_dev) % per_device:
-    raise config_lib.ConfigError(
-        f"train.batch_tokens={tokens} must be a multiple of "
-        f"train.device_batch_size x devices x model.sequence_len = "
-        f"{per_device} x {n_dev} x {T} = {per_device * n_dev * T}")
-  return BatchLayout(rows_per_device=per_device, accum=rows_total // (per_device * n_dev),
-                     local_rows=per_device * n_local)
 
 
 def make_train_step(graphdef, tx, update_specs=None):
@@ -164,7 +135,7 @@ def init_params(spec: RunSpec, mesh, key):
   """(graphdef, params, shardings): parameters created already sharded, inside one jit."""
   graphdef, _, shardings = abstract_params(spec, mesh)
   with jax.set_mesh(mesh):
-    model = model_lib.init(spec.model, key, shardings)
+    model = initialize.init(spec.model, key, shardings)
   return graphdef, nnx.to_pure_dict(nnx.state(model)), shardings
 
 

@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from bov_jax import config as config_lib
+from bov_jax import initialize
 from bov_jax import model as model_lib
 from bov_jax import spec as spec_lib
 
@@ -53,8 +54,8 @@ def model_spec(cfg):
 
 
 def init_model(cfg, key):
-  """An initialised model of a config (resolved, then model.init)."""
-  return model_lib.init(model_spec(cfg), key)
+  """An initialised model of a config (resolved, then initialize.init)."""
+  return initialize.init(model_spec(cfg), key)
 
 
 def random_model(cfg, seed=0, scale=0.1, backend=None):

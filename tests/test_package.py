@@ -63,3 +63,40 @@ def test_the_training_loop_reads_top_to_bottom():
   setup = assigned(methods["__init__"])
   later = {name: assigned(f) - setup for name, f in methods.items() if name != "__init__"}
   assert not any(later.values()), later
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+  """The package's modules that `path` imports, at its top or inside a function alike."""
+  import ast
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bov_jax"):
+      for alias in node.names:  # `from bov_jax import x` names a module; `from bov_jax.m import y` m
+        sub = f"{node.module}.{alias.name}"
+        out.add(sub if (ROOT / (sub.replace(".", "/") + ".py")).exists() else node.module)
+    elif isinstance(node, ast.Import):
+      out.update(a.name for a in node.names if a.name.startswith("bov_jax."))
+  return out
+
+
+def test_the_package_imports_no_circle():
+  """No module reaches itself through the package's imports, counting those inside
+  functions, which only hide a circle."""
+  modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in LIBRARY}
+  graph = {m: {d for d in _imports(p) if d in modules and d != m} for m, p in modules.items()}
+  state, circles = {}, []
+
+  def visit(m, trail):
+    state[m] = "open"
+    for d in sorted(graph[m]):
+      if state.get(d) == "open":
+        circles.append(trail[trail.index(d):] + [d])
+      elif d not in state:
+        visit(d, trail + [d])
+    state[m] = "done"
+
+  for m in sorted(graph):
+    if m not in state:
+      visit(m, [m])
+  assert not circles, [" -> ".join(c) for c in circles]

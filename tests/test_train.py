@@ -248,6 +248,7 @@ def test_missing_corpus_is_named(tmp_path):
   assert out.returncode == 2 and "data.corpus='/no/such/corpus.jsonl'" in out.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_resume_continues(tmp_path):
   """SIGTERM: a checkpoint, exit 75, and the same command resumes. The run also traces
   steps 2-3 (log.profile_steps) into WORKDIR/profile/, where TensorBoard's profile plugin
