@@ -18,7 +18,7 @@
                          heartbeat (`Owner`); gone when it ends
 
 Nothing is written here before the whole config has been checked (spec.resolve and
-step.batch_layout both raise before a mode opens its run directory).
+plan.batch_layout both raise before a mode opens its run directory).
 """
 
 from __future__ import annotations

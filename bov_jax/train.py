@@ -55,7 +55,7 @@ class _Pending:
 def train(spec, workdir: str | None) -> dict:
   """Trains per the spec; resumes from WORKDIR's latest checkpoint. Returns the last record."""
   mesh = sharding.make_mesh(spec.mesh)
-  step_lib.batch_layout(spec, mesh.size)  # the whole config is checked, the corpus
+  plan.batch_layout(spec, mesh.size)      # the whole config is checked, the corpus
   splits = process.documents(spec)        # found and the tokenizer's size checked,
   process.check_tokenizer(spec, workdir)  # before anything is written
   owner = _open_rundir(spec, workdir) if workdir else None
