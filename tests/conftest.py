@@ -26,13 +26,6 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import pytest  # noqa: E402
 
 
-@pytest.fixture
-def small_cfg():
-  """A tiny model where every mechanism is live: GQA, sliding windows, 6 layers."""
-  from tests.helpers import small_config
-  return small_config()
-
-
 @pytest.fixture(scope="session")
 def gcs(tmp_path_factory):
   """A GCS emulator (fake-gcs-server, from its wheel) holding an empty bucket `bov`: the

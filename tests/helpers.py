@@ -2,17 +2,26 @@
 forward pass."""
 from __future__ import annotations
 
+import glob
+import json
 import os
+import struct
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from bov_jax import config as config_lib
+from bov_jax import core
 from bov_jax import initialize
 from bov_jax import model as model_lib
+from bov_jax import sharding
 from bov_jax import spec as spec_lib
+from bov_jax import step as step_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 
 def xla_flags(devices: int) -> str:
@@ -224,3 +233,69 @@ def corrupt_row_group(path, group):
   for i in range(start + n // 3, start + n // 3 + n // 4):
     raw[i] ^= 0x5A
   path.write_bytes(bytes(raw))
+
+
+def sgd_step_on_mesh_and_one_device(cfg, idx, shape):
+  """One train step (plain SGD, lr 1: new params = params - grads) of the same random
+  parameters (every one non-zero) on one device and on a mesh: ((params, out) one device,
+  (params, out) mesh, the mesh's starting params)."""
+  graphdef = nnx.graphdef(model_lib.abstract(model_spec(cfg)))
+  tx = optax.sgd(1.0)
+  step = step_lib.make_train_step(graphdef, tx)
+  x, y = idx[..., :-1], idx[..., 1:]
+  dev0 = jax.devices()[0]
+  params = nnx.to_pure_dict(nnx.state(random_model(cfg, seed=9, scale=0.05)))
+  p1 = jax.device_put(params, dev0)
+  ref_params, _, ref_out = jax.jit(step)(p1, tx.init(p1), jax.device_put(x, dev0),
+                                         jax.device_put(y, dev0))
+  c = small_config()
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = shape
+  mesh = sharding.make_mesh(c.mesh)
+  _, _, shardings = step_lib.abstract_params(run_spec(cfg), mesh)
+  p8 = jax.device_put(params, shardings)
+  bsh = sharding.batch_sharding(mesh, leading_dims=2)
+  with jax.set_mesh(mesh):
+    new_params, _, out = jax.jit(step, in_shardings=(shardings, None, bsh, bsh),
+                                 out_shardings=(shardings, None, None))(
+        p8, tx.init(p8), jax.device_put(x, bsh), jax.device_put(y, bsh))
+  return (ref_params, ref_out), (new_params, out), p8
+
+
+def read_events(logdir) -> dict:
+  """{tag: [(step, value), ...]} from the TensorBoard event files in logdir (TFRecords of
+  Event protos)."""
+  from tensorboardX.proto import event_pb2
+  out = {}
+  for path in sorted(glob.glob(f"{logdir}/events.out.tfevents.*")):
+    data = open(path, "rb").read()
+    i = 0
+    while i < len(data):
+      (n,) = struct.unpack("<Q", data[i:i + 8])
+      event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+      i += 12 + n + 4
+      for v in event.summary.value:
+        out.setdefault(v.tag, []).append((event.step, v.simple_value))
+  return out
+
+
+def write_authors_bundle(root, n_items=3):
+  """A bundle with every task of the authors' list (tiny items in each format) and a
+  core.yaml of its own that must be ignored."""
+  import yaml
+  tasks = yaml.safe_load(open(core.AUTHORS_TASKS))["icl_tasks"]
+  rows = ["Eval Task,Task Category,Random baseline"]
+  for t in tasks:
+    path = root / "eval_data" / t["dataset_uri"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kind = t["icl_task_type"]
+    items = [({"query": f"q{i} is", "choices": ["a", "b"], "gold": i % 2} if kind == "multiple_choice"
+              else {"context_options": [f"c{i}", f"d{i}"], "continuation": "e", "gold": 0}
+              if kind == "schema" else {"context": f"x{i}", "continuation": "y"})
+             for i in range(max(n_items, 26))]  # 25 shots need 26 items
+    path.write_text("".join(json.dumps(x) + "\n" for x in items))
+    rows.append(f"{t['label']},c,{50.0 if kind != 'language_modeling' else 0.0}")
+  (root / "eval_meta_data.csv").write_text("\n".join(rows) + "\n")
+  (root / "core.yaml").write_text("icl_tasks:\n- label: copa\n  dataset_uri: "
+                                  "commonsense_reasoning/copa.jsonl\n  num_fewshot: [7]\n"
+                                  "  icl_task_type: multiple_choice\n")
+  return tasks

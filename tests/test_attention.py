@@ -169,7 +169,7 @@ def test_bad_attention_settings_are_named(settings, message):
 def test_train_step_with_splash_on_a_mesh_equals_one_device():
   """The whole step (accumulation scan, value tables) with Splash inside: 2x2x2 mesh
   against one device (a kernel cached from one trace must not leak into the next)."""
-  from tests.test_sharding import sgd_step_on_mesh_and_one_device
+  from tests.helpers import sgd_step_on_mesh_and_one_device
   cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=120, sequence_len=128,
                      n_embd=256, n_head=2, n_kv_head=2, n_layer=3, attention="splash")
   idx = jax.random.randint(jax.random.key(3), (2, 4, 129), 0, 120)  # 2 micro-batches of 4 rows

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
+from tests.helpers import ROOT
 from tests.helpers import xla_flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--config=configs/tiny.py", "--config.model.n_layer=3", "--config.model.n_embd=64",
          "--config.model.vocab_size=512", "--config.model.sequence_len=128",
          "--config.model.short_window=32", "--json"]

@@ -18,10 +18,9 @@ from bov_jax import hostmem
 from bov_jax import rundir
 from bov_jax import tokenizer as tok_lib
 from tests import helpers
+from tests.helpers import ROOT
 from tests.helpers import random_model
 from tests.helpers import small_config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class _FromGcsfs(Exception):

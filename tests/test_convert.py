@@ -1,7 +1,6 @@
 """Checkpoint import from the reference: every variant's logits against a numpy oracle."""
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ from bov_jax import convert
 from bov_jax import model as model_lib
 from bov_jax import values
 from tests import helpers
+from tests.helpers import ROOT
 from tests.helpers import model_spec
 
 # sequence_len 640 gives the reference's short window 256; 300 tokens cross it.
@@ -111,7 +111,7 @@ def test_convert_command_writes_a_loadable_checkpoint(tmp_path):
   out = subprocess.run(
       [sys.executable, "-m", "bov_jax.convert", f"--checkpoint={tmp_path}/model_000123.npz",
        f"--meta={tmp_path}/meta_000123.json", f"--workdir={tmp_path}/run"],
-      capture_output=True, text=True, cwd=helpers_root(), timeout=300)
+      capture_output=True, text=True, cwd=ROOT, timeout=300)
   assert out.returncode == 0, out.stderr
   assert json.loads(out.stdout.strip().splitlines()[-1])["checkpoint"].endswith("123")
   cfg = rundir.read_config(str(tmp_path / "run"))
@@ -131,12 +131,10 @@ def test_convert_command_needs_a_model_type(tmp_path):
   out = subprocess.run(
       [sys.executable, "-m", "bov_jax.convert", f"--checkpoint={tmp_path}/m.npz",
        f"--meta={tmp_path}/meta.json", f"--workdir={tmp_path}/run"],
-      capture_output=True, text=True, cwd=helpers_root(), timeout=300)
+      capture_output=True, text=True, cwd=ROOT, timeout=300)
   assert out.returncode == 2 and "--model_type" in out.stderr
 
 
-def helpers_root():
-  return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
@@ -160,14 +158,14 @@ def test_convert_brings_the_reference_tokenizer_and_never_trains_one(tmp_path):
   cmd = [sys.executable, "-m", "bov_jax.convert", f"--checkpoint={tmp_path}/model_000007.npz",
          f"--meta={tmp_path}/meta.json"]
   out = subprocess.run(cmd + [f"--workdir={tmp_path}/run", f"--tokenizer={tmp_path}/ref_tok"],
-                       capture_output=True, text=True, cwd=helpers_root(), timeout=300)
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
   assert out.returncode == 0, out.stderr
   got = tok_lib.load(str(tmp_path / "run" / "tokenizer"))
   assert got.encode("def f(x): return x") == ref.encode("def f(x): return x")
   spec = run_spec(small_config("gpt_base", vocab_size=300))
   assert process.tokenizer(spec, str(tmp_path / "run")).vocab_size == 300
   out = subprocess.run(cmd + [f"--workdir={tmp_path}/bare"], capture_output=True, text=True,
-                       cwd=helpers_root(), timeout=300)
+                       cwd=ROOT, timeout=300)
   assert out.returncode == 0, out.stderr
   train, _ = process.documents(spec)
   with pytest.raises(tok_lib.TokenizerError, match=r"has no tokenizer/tokenizer\.pkl.*"
@@ -177,5 +175,5 @@ def test_convert_brings_the_reference_tokenizer_and_never_trains_one(tmp_path):
   small = tok_lib.train(tok_lib.training_texts(corpus.embedded_documents()[:400], 300_000), 280)
   (tmp_path / "small" / "tokenizer.pkl").write_bytes(pickle.dumps(small.enc))
   bad = subprocess.run(cmd + [f"--workdir={tmp_path}/r2", f"--tokenizer={tmp_path}/small"],
-                       capture_output=True, text=True, cwd=helpers_root(), timeout=300)
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
   assert bad.returncode == 2 and "has 280 tokens but model.vocab_size=300" in bad.stderr

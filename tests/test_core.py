@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from bov_jax import core as ev
+from tests.helpers import write_authors_bundle
 
 
 class CharTok:
@@ -44,29 +45,6 @@ def write_bundle(root):
   for name, items in (("sub/mc.jsonl", mc), ("schema.jsonl", schema), ("lm.jsonl", lm)):
     with open(root / "eval_data" / name, "w") as f:
       f.writelines(json.dumps(x) + "\n" for x in items)
-
-
-def write_authors_bundle(root, n_items=3):
-  """A bundle with every task of the authors' list (tiny items in each format) and a
-  core.yaml of its own that must be ignored."""
-  import yaml
-  tasks = yaml.safe_load(open(ev.AUTHORS_TASKS))["icl_tasks"]
-  rows = ["Eval Task,Task Category,Random baseline"]
-  for t in tasks:
-    path = root / "eval_data" / t["dataset_uri"]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    kind = t["icl_task_type"]
-    items = [({"query": f"q{i} is", "choices": ["a", "b"], "gold": i % 2} if kind == "multiple_choice"
-              else {"context_options": [f"c{i}", f"d{i}"], "continuation": "e", "gold": 0}
-              if kind == "schema" else {"context": f"x{i}", "continuation": "y"})
-             for i in range(max(n_items, 26))]  # 25 shots need 26 items
-    path.write_text("".join(json.dumps(x) + "\n" for x in items))
-    rows.append(f"{t['label']},c,{50.0 if kind != 'language_modeling' else 0.0}")
-  (root / "eval_meta_data.csv").write_text("\n".join(rows) + "\n")
-  (root / "core.yaml").write_text("icl_tasks:\n- label: copa\n  dataset_uri: "
-                                  "commonsense_reasoning/copa.jsonl\n  num_fewshot: [7]\n"
-                                  "  icl_task_type: multiple_choice\n")
-  return tasks
 
 
 def test_the_authors_task_list_is_the_default(tmp_path):

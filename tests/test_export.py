@@ -14,11 +14,10 @@ from bov_jax import export
 from bov_jax import rundir
 from bov_jax import tokenizer as tok_lib
 from bov_jax import values
+from tests.helpers import ROOT
 from tests.helpers import random_model
 from tests.helpers import small_config
 from tests.helpers import xla_flags
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _params():

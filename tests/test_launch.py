@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT
+
 ENV = {"PROJECT": "my-proj", "ZONE": "us-central2-b", "TPU_NAME": "bov-pod",
        "ACCELERATOR_TYPE": "v5p-64", "WORKDIR": "gs://bucket/runs/bov780m", "DRY_RUN": "1",
        "SKIP_COMPILE_CHECK": "1"}  # the compile check has tests of its own, below

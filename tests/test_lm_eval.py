@@ -19,10 +19,10 @@ from bov_jax import modes
 from bov_jax import rundir
 from bov_jax import spec as spec_lib
 from bov_jax import tokenizer as tok_lib
+from tests.helpers import ROOT
 from tests.helpers import random_model
 from tests.helpers import small_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = os.path.join(ROOT, "tests", "data", "lm_eval")
 CONTEXT = 64
 

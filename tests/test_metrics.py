@@ -1,31 +1,13 @@
 """What a run records: metrics.jsonl appended, TensorBoard tags, tokens/s and MFU."""
 import glob
 import json
-import struct
 import time
 
 import ml_collections
 import pytest
 
 from bov_jax import metrics
-
-
-def read_events(logdir) -> dict:
-  """{tag: [(step, value), ...]} from the TensorBoard event files in logdir (TFRecords of
-  Event protos)."""
-  from tensorboardX.proto import event_pb2
-  out = {}
-  for path in sorted(glob.glob(f"{logdir}/events.out.tfevents.*")):
-    data = open(path, "rb").read()
-    i = 0
-    while i < len(data):
-      (n,) = struct.unpack("<Q", data[i:i + 8])
-      event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
-      i += 12 + n + 4
-      for v in event.summary.value:
-        out.setdefault(v.tag, []).append((event.step, v.simple_value))
-  return out
-
+from tests.helpers import read_events
 
 LOG = ml_collections.ConfigDict({"tensorboard": True, "wandb_project": "", "wandb_entity": ""})
 

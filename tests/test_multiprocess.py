@@ -12,12 +12,12 @@ import time
 
 import pytest
 
+from tests.helpers import ROOT
 from tests.helpers import TINY_RUN
 from tests.helpers import xla_flags
 
 pytestmark = pytest.mark.slow  # several processes: end-to-end runs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config=configs/tiny.py", *TINY_RUN, "--config.train.eval_every=100", "--config.train.checkpoint_every=100",
         "--config.train.log_every=1", "--config.train.sample_tokens=0"]
 

@@ -6,7 +6,9 @@ import re
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests import helpers
+
+ROOT = pathlib.Path(helpers.ROOT)
 LIBRARY = sorted((ROOT / "bov_jax").rglob("*.py"))
 
 

@@ -9,9 +9,8 @@ import pytest
 
 from bov_jax import checkpoint
 from bov_jax import rundir
+from tests.helpers import ROOT
 from tests.helpers import small_config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _adopt(wd, cfg, log=print):

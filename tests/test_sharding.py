@@ -15,8 +15,8 @@ from bov_jax import sharding
 from bov_jax import step as step_lib
 from tests.helpers import TINY_RUN
 from tests.helpers import model_spec
-from tests.helpers import random_model
 from tests.helpers import run_spec
+from tests.helpers import sgd_step_on_mesh_and_one_device
 from tests.helpers import small_config
 from tests.helpers import xla_flags
 
@@ -69,30 +69,6 @@ def test_table_lookup_matches_plain_gather(shape, impl):
 def _params_on(mesh, cfg, seed=0):
   _, params, shardings = step_lib.init_params(run_spec(cfg), mesh, jax.random.key(seed))
   return params, shardings
-
-
-def sgd_step_on_mesh_and_one_device(cfg, idx, shape):
-  """One train step (plain SGD, lr 1: new params = params - grads) of the same random
-  parameters (every one non-zero) on one device and on a mesh: ((params, out) one device,
-  (params, out) mesh, the mesh's starting params)."""
-  graphdef = nnx.graphdef(model_lib.abstract(model_spec(cfg)))
-  tx = optax.sgd(1.0)
-  step = step_lib.make_train_step(graphdef, tx)
-  x, y = idx[..., :-1], idx[..., 1:]
-  dev0 = jax.devices()[0]
-  params = nnx.to_pure_dict(nnx.state(random_model(cfg, seed=9, scale=0.05)))
-  p1 = jax.device_put(params, dev0)
-  ref_params, _, ref_out = jax.jit(step)(p1, tx.init(p1), jax.device_put(x, dev0),
-                                         jax.device_put(y, dev0))
-  mesh = _mesh(*shape)
-  _, _, shardings = step_lib.abstract_params(run_spec(cfg), mesh)
-  p8 = jax.device_put(params, shardings)
-  bsh = sharding.batch_sharding(mesh, leading_dims=2)
-  with jax.set_mesh(mesh):
-    new_params, _, out = jax.jit(step, in_shardings=(shardings, None, bsh, bsh),
-                                 out_shardings=(shardings, None, None))(
-        p8, tx.init(p8), jax.device_put(x, bsh), jax.device_put(y, bsh))
-  return (ref_params, ref_out), (new_params, out), p8
 
 
 @pytest.mark.slow

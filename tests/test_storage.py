@@ -13,10 +13,10 @@ import pytest
 
 from bov_jax import corpus
 from bov_jax import storage
+from tests.helpers import ROOT
 from tests.helpers import TINY_RUN
 from tests.helpers import xla_flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [*TINY_RUN, "--config.train.num_iterations=12", "--config.train.eval_every=6",
         "--config.train.checkpoint_every=4", "--config.train.log_every=1",
         "--config.train.sample_tokens=0", "--config.data.corpus=gs://bov/corpus"]

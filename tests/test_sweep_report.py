@@ -8,11 +8,10 @@ import pytest
 
 from bov_jax import report
 from bov_jax import sweep
+from tests.helpers import ROOT
 from tests.helpers import random_model
 from tests.helpers import small_config
 from tests.helpers import xla_flags
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _sweep(*args):

@@ -10,8 +10,7 @@ import pytest
 
 from bov_jax import corpus
 from bov_jax import tokenizer as tok_lib
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,8 @@ import pytest
 
 from bov_jax import aot
 from bov_jax import spec as spec_lib
+from tests.helpers import ROOT
 from tests.helpers import small_config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _libtpu() -> bool:

@@ -18,12 +18,12 @@ from bov_jax import bpb
 from bov_jax import data as data_lib
 from bov_jax import process
 from bov_jax import step as step_lib
+from tests.helpers import ROOT
 from tests.helpers import TINY_RUN
 from tests.helpers import init_model
 from tests.helpers import small_config
 from tests.helpers import xla_flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--config=configs/tiny.py", *TINY_RUN, "--config.train.sample_tokens=8",
         "--config.train.log_every=1"]
 
@@ -116,7 +116,7 @@ def test_resume_after_sigkill_is_exact(tmp_path):
     assert key in a[5]
   assert "sample: 'import" in out.stdout  # the end-of-run sample continues sample.prompt
   # live tracking: TensorBoard event files in the run directory
-  from tests.test_metrics import read_events
+  from tests.helpers import read_events
   tags = read_events(full)
   for tag in ("train/loss", "train/lr", "val/bpb", "perf/tokens_per_s", "perf/mfu"):
     assert tags.get(tag), tag
@@ -128,7 +128,7 @@ def test_resume_after_sigkill_is_exact(tmp_path):
   res = json.loads(ev.stdout.strip().splitlines()[-1])
   assert res["step"] == 40 and res["val_bpb"] == pytest.approx(last_a["val_bpb"], rel=1e-4)
   # CORE: the authors' 21 tasks with their shots (the bundle's own core.yaml is ignored)
-  from tests.test_core import write_authors_bundle
+  from tests.helpers import write_authors_bundle
   write_authors_bundle(tmp_path / "bundle")
   ev = _main(full, "--mode=eval", f"--config.eval.core_bundle={tmp_path / 'bundle'}",
              "--config.eval.core_max_per_task=2", fast=False)
