@@ -218,9 +218,8 @@ def max_decode_batch(dec: Decoding, limit: int, log=print) -> tuple[int, dict | 
   smallest batch's, None where it overflows, when none fits). The peak grows linearly
   with the batch (the cache), so two compiles aim at the limit and a few more confirm it."""
   u = dec.unit
-  fits = lambda m: m is not None and m["peak_bytes"] <= limit
   first = _try(lambda: dec.decode_step(u))
-  if not fits(first):
+  if not _fits(first, limit):
     return 0, first
   found = {u: first}
   lo, hi = u, None  # the largest batch known to fit, the smallest known not to
@@ -232,7 +231,7 @@ def max_decode_batch(dec: Decoding, limit: int, log=print) -> tuple[int, dict | 
     m = _try(lambda g=guess: dec.decode_step(g))
     log(f"  decode_step at batch {guess}: " + ("overflows HBM" if m is None else
                                                f"peak {m['peak_bytes'] / GiB:.2f} GiB"))
-    if fits(m):
+    if _fits(m, limit):
       slope = (m["peak_bytes"] - found[lo]["peak_bytes"]) / (guess - lo)
       found[guess], lo = m, guess
       room = (limit - m["peak_bytes"]) / slope if slope > 0 else guess
@@ -294,7 +293,7 @@ def run(spec, topology: str, programs=("train", "eval", "decode"), log=print,
         on_compiled(name, compiled)
     except Overflow as e:
       fig = {"peak_bytes": None, "error": str(e)}
-    fig["fits"] = fig["peak_bytes"] is not None and fig["peak_bytes"] <= limit
+    fig["fits"] = _fits(fig, limit)
     out[name] = fig
     if fig["peak_bytes"] is None:
       log(f"{name}: does not compile: {fig['error']}")
@@ -321,7 +320,8 @@ MIN_CHUNK = 128  # prefill chunks: the whole context, halved down to this many t
 
 
 def _fits(fig, limit) -> bool:
-  return fig is not None and fig["peak_bytes"] <= limit
+  """The one rule: a program fits when it compiled and peaks at most `limit` bytes."""
+  return fig is not None and fig["peak_bytes"] is not None and fig["peak_bytes"] <= limit
 
 
 def prefill_chunk(dec: Decoding, batch: int, limit: int, start: int):

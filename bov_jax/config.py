@@ -303,6 +303,20 @@ FIXED_ON_RESUME = (
 )
 
 
+def assign(cfg, key: str, value) -> bool:
+  """Sets a dotted setting (`optim.matrix_lr`) of a ConfigDict to `value`, whatever its
+  type there; False, changing nothing, when the schema has no such setting."""
+  *parents, name = key.split(".")
+  node = cfg
+  for part in parents:
+    node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
+  if not (isinstance(node, ml_collections.ConfigDict) and name in node):
+    return False
+  with node.ignore_type():
+    node[name] = value
+  return True
+
+
 def flatten(cfg) -> dict:
   """{"model.n_layer": 12, ...} of a ConfigDict or a plain nested dict."""
   d = cfg.to_dict() if hasattr(cfg, "to_dict") else cfg

@@ -55,6 +55,13 @@ def decoding_graphdef(model_spec):
   return nnx.graphdef(model_lib.abstract(bank_decode.resolve(model_spec)))
 
 
+def prompt_too_long(prompt_len: int, context: int) -> str | None:
+  """Why sample.prompt cannot be continued in `context` positions, or None when it can."""
+  if prompt_len < context:
+    return None
+  return f"sample.prompt is {prompt_len} tokens, the context is {context}"
+
+
 def cache_length(prompt_len: int, max_new_tokens: int, multiple: int = 128) -> int:
   """Cache positions a generation can reach (the last sampled token is not run),
   rounded up to a multiple."""

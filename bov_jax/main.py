@@ -80,6 +80,7 @@ def _override_keys(argv) -> list[str]:
 def config_for(mode: str, workdir: str | None, parsed, given: bool, argv):
   """The config a mode runs: --config's file with its overrides, or, without --config,
   the run directory's config.json with the command line's overrides applied to it."""
+  from bov_jax import config as config_lib
   from bov_jax import rundir
   if given:
     return parsed
@@ -89,12 +90,7 @@ def config_for(mode: str, workdir: str | None, parsed, given: bool, argv):
     raise app.UsageError(f"--config=FILE is required ({where}); for example "
                          "--config=configs/tiny.py")
   for key in _override_keys(argv):
-    *parents, name = key.split(".")
-    src, dst = parsed, saved
-    for part in parents:
-      src, dst = src[part], dst[part]
-    with dst.ignore_type():
-      dst[name] = src[name]
+    config_lib.assign(saved, key, config_lib.flatten(parsed)[key])
   return saved
 
 

@@ -112,9 +112,8 @@ def sample(spec, workdir: str) -> dict:
   tok = process.tokenizer(spec, workdir)
   prompt = tok.encode(s.prompt)
   context = spec.model.sequence_len
-  if len(prompt) >= context:
-    raise config_lib.ConfigError(f"sample.prompt is {len(prompt)} tokens; the context is "
-                                 f"{context}")
+  if (why := inference.prompt_too_long(len(prompt), context)) is not None:
+    raise config_lib.ConfigError(why)
   with jax.set_mesh(mesh):
     _, graphdef, params = restore(spec, workdir, mesh)
     if s.use_cache:  # whether a bank layer decodes in the fused kernel: decided here, once

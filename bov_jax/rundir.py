@@ -189,13 +189,7 @@ def read_config(workdir: str) -> ml_collections.ConfigDict | None:
     return None
   cfg = config_lib.base_config()
   for key, value in config_lib.flatten(json.loads(p.read_text())).items():
-    *parents, name = key.split(".")
-    node = cfg
-    for part in parents:
-      node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
-    if isinstance(node, ml_collections.ConfigDict) and name in node:
-      with node.ignore_type():
-        node[name] = value
+    config_lib.assign(cfg, key, value)  # a setting the schema no longer has is dropped
   return cfg
 
 

@@ -365,9 +365,8 @@ class _Loop:
     if n <= 0 or self.stopping:
       return
     prompt = self.tok.encode(self.spec.sample.prompt)
-    if len(prompt) >= self.spec.model.sequence_len:
-      log(f"sample: skipped, sample.prompt is {len(prompt)} tokens, the context is "
-          f"{self.spec.model.sequence_len}")
+    if (why := inference.prompt_too_long(len(prompt), self.spec.model.sequence_len)):
+      log(f"sample: skipped, {why}")
       return
     ids = inference.generate_uncached(self.setup.graphdef, self.params, prompt, n,
                                       self.spec.model.sequence_len, temperature=0.0)

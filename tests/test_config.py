@@ -88,3 +88,13 @@ def test_main_rejects_bad_config_before_building(tmp_path):
                        capture_output=True, text=True, timeout=120)
   assert out.returncode == 2
   assert "model.value.source='tabel'" in out.stderr
+
+
+def test_assign_sets_a_dotted_setting_whatever_its_type():
+  c = config_lib.base_config()
+  assert config_lib.assign(c, "optim.matrix_lr", 1) and c.optim.matrix_lr == 1
+  assert config_lib.assign(c, "model.value.preset", "gpt_base")
+  assert c.model.value.preset == "gpt_base"
+  before = c.to_dict()
+  assert not config_lib.assign(c, "optim.no_such", 3)  # a setting the schema lacks
+  assert not config_lib.assign(c, "nowhere.at.all", 3) and c.to_dict() == before

@@ -311,3 +311,8 @@ def test_bank_layer_attends_block_by_block_as_whole():
   rows = attention.kv_rows((0.7 * table[ids]).reshape(B, S, K, E))
   want = attention.attend(q, k, rows, qpos, jnp.broadcast_to(jnp.arange(S), (B, S)), 10)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
+def test_a_prompt_the_context_cannot_continue_is_named():
+  assert inference.prompt_too_long(63, 64) is None
+  assert inference.prompt_too_long(64, 64) == "sample.prompt is 64 tokens, the context is 64"
