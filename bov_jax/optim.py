@@ -314,7 +314,7 @@ def label(path: tuple[str, ...]) -> str:
 
 def labels(params):
   def f(path, _):
-    return label(tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path))
+    return label(tuple(str(k) for k in sharding.path_keys(path)))
   return jax.tree_util.tree_map_with_path(f, params)
 
 

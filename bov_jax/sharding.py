@@ -42,6 +42,13 @@ RULES = {
 }
 
 
+def path_keys(path) -> tuple:
+  """A tree path (jax's key path) as its dict keys and sequence indices; attribute keys
+  (a namedtuple's fields in optimizer state) are left out."""
+  return tuple(k.key if isinstance(k, jax.tree_util.DictKey) else k.idx for k in path
+               if isinstance(k, (jax.tree_util.DictKey, jax.tree_util.SequenceKey)))
+
+
 def mesh_shape(mesh_cfg, n_devices: int | None = None) -> tuple[int, int, int]:
   """(data, fsdp, tensor) from the `mesh` settings: -1 takes the remaining devices."""
   n = jax.device_count() if n_devices is None else n_devices

@@ -14,16 +14,6 @@ from jax.sharding import PartitionSpec as P
 from bov_jax import sharding
 
 
-def _path_keys(path) -> tuple:
-  out = []
-  for k in path:
-    if isinstance(k, jax.tree_util.DictKey):
-      out.append(k.key)
-    elif isinstance(k, jax.tree_util.SequenceKey):
-      out.append(k.idx)
-  return tuple(out)
-
-
 def like_params(tree, param_specs, param_shapes):
   """PartitionSpecs for a tree holding copies of the parameters (optimizer state).
 
@@ -31,12 +21,12 @@ def like_params(tree, param_specs, param_shapes):
   every dimension of equal size (Muon's per-row statistics keep the split of
   the dimension they share); anything else (step counters) is replicated.
   """
-  specs = {_path_keys(p): s for p, s in
+  specs = {sharding.path_keys(p): s for p, s in
            jax.tree_util.tree_leaves_with_path(param_specs, is_leaf=lambda x: isinstance(x, P))}
-  shapes = {_path_keys(p): s for p, s in jax.tree_util.tree_leaves_with_path(param_shapes)}
+  shapes = {sharding.path_keys(p): s for p, s in jax.tree_util.tree_leaves_with_path(param_shapes)}
 
   def f(path, leaf):
-    keys = _path_keys(path)
+    keys = sharding.path_keys(path)
     for start in range(len(keys)):
       if keys[start:] in specs:
         spec, shape = specs[keys[start:]], shapes[keys[start:]].shape
@@ -83,11 +73,11 @@ class UpdateLayout:
   def __init__(self, param_specs, update_specs):
     leaves = lambda t: jax.tree_util.tree_leaves_with_path(t, is_leaf=lambda x: isinstance(x, P))
     self.update_specs = update_specs
-    self._specs = {_path_keys(path): (p, u) for (path, p), (_, u) in
+    self._specs = {sharding.path_keys(path): (p, u) for (path, p), (_, u) in
                    zip(leaves(param_specs), leaves(update_specs))}
 
   def specs(self, path) -> tuple[P, P]:
-    return self._specs[_path_keys(path)]
+    return self._specs[sharding.path_keys(path)]
 
 
 def optimizer_specs(tx, params, param_specs):

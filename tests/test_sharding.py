@@ -208,3 +208,13 @@ def test_mesh_training_matches_one_device_and_reshards_on_resume(tmp_path):
                       "--config.mesh.fsdp=1", "--config.mesh.tensor=1")
   assert "checkpoints/6" in out.stdout
   assert max(resumed) == 9 and np.isfinite(resumed[9]["train_loss"])
+
+
+def test_path_keys_are_dict_keys_and_indices():
+  from typing import NamedTuple
+
+  class State(NamedTuple):
+    mu: dict
+  tree = {"blocks": [{"w": 1}], "opt": State(mu={"lm_head": 2})}
+  paths = [sharding.path_keys(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+  assert paths == [("blocks", 0, "w"), ("opt", "lm_head")]  # the field `mu` is left out
