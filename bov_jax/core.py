@@ -181,6 +181,12 @@ def bucket(n: int) -> int:
   return b
 
 
+def padded_shape(n_rows: int, length: int, most: int | None = None) -> tuple[int, int]:
+  """A batch's compiled shape: rows padded to a multiple of 4, positions to a `bucket`
+  (at most `most`)."""
+  return -(-n_rows // 4) * 4, min(bucket(length), most or bucket(length))
+
+
 class Scorer:
   """Per-token NLL and greedy next tokens of token rows. Rows run in batches of up to
   `batch_rows`, longest first, each padded to a multiple of 4 rows and a `bucket` of
@@ -208,7 +214,7 @@ class Scorer:
     out = [None] * len(rows)
     for k in range(0, len(order), self.batch_rows):
       batch = order[k:k + self.batch_rows]
-      shape = (-(-len(batch) // 4) * 4, bucket(len(rows[batch[0]]) - 1))
+      shape = padded_shape(len(batch), len(rows[batch[0]]) - 1)
       self.shapes.add(shape)
       ids = np.full(shape, self.pad_id, np.int32)
       targets = np.full(shape, self.pad_id, np.int32)

@@ -184,8 +184,7 @@ class BovLM(TemplateLM):
                 temperature: float, top_k: int) -> list[str]:
     from bov_jax import core
     from bov_jax import inference
-    shape = (-(-len(prompts) // 4) * 4,
-             min(core.bucket(max(map(len, prompts))), self.max_length))
+    shape = core.padded_shape(len(prompts), max(map(len, prompts)), self.max_length)
     self.prompt_shapes.add(shape)
     ids = np.full(shape, self.tok.bos_id, np.int32)
     lengths = np.ones(shape[0], np.int32)  # padding rows: a lone <|bos|>

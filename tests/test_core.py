@@ -208,3 +208,8 @@ def test_core_end_to_end_with_a_model(tmp_path):
   assert res["core_tasks"]["mc"]["shots"] == 2 and res["core_tasks"]["lm_1shot"]["shots"] == 1
   for r in res["core_tasks"].values():
     assert 0.0 <= r["accuracy"] <= 1.0
+
+
+def test_a_batch_pads_to_few_shapes():
+  assert ev.padded_shape(5, 65) == (8, 128) and ev.padded_shape(4, 10) == (4, 64)
+  assert ev.padded_shape(1, 300, most=256) == (4, 256)  # no longer than the context
