@@ -10,6 +10,7 @@ follow the reference's estimate_flops:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -25,6 +26,7 @@ from bov_jax import state_layout
 from bov_jax import values
 
 
+@functools.lru_cache(maxsize=8)  # an eval_shape of the whole model: once per model, not per figure
 def _flat(model_spec):
   state = nnx.state(model_lib.abstract(model_spec))
   return {tuple(str(p) for p in path): v for path, v in nnx.to_flat_state(state)}
