@@ -113,6 +113,7 @@ class _PackedRowsIterator(grain.DatasetIterator):
     self._done = False                # a finite source (validation) has run out
     self._seq = 0                     # documents taken so far: their age in the buffer
     self._buffer = []  # sorted by (length, age): (length, age, document id, tokens)
+    self._by_age = {}  # age -> document id of the buffered documents, oldest first
 
   def _next_doc(self):
     if self._stream is None:
@@ -127,7 +128,13 @@ class _PackedRowsIterator(grain.DatasetIterator):
 
   def _add(self, i, toks):
     bisect.insort(self._buffer, (len(toks), self._seq, i, toks), key=lambda e: e[:2])
+    self._by_age[self._seq] = i
     self._seq += 1
+
+  def _take(self, k):
+    entry = self._buffer.pop(k)
+    del self._by_age[entry[1]]
+    return entry[3]
 
   def _fill(self):
     while not self._done and len(self._buffer) < self.buffer_size:
@@ -148,24 +155,24 @@ class _PackedRowsIterator(grain.DatasetIterator):
       k = bisect.bisect_right(self._buffer, (space, float("inf")), key=lambda e: e[:2]) - 1
       if k >= 0:  # the largest document that fits: the oldest of that length
         k = bisect.bisect_left(self._buffer, (self._buffer[k][0], -1), key=lambda e: e[:2])
-        toks = self._buffer.pop(k)[3]
+        toks = self._take(k)
         row.append(toks)
         space -= len(toks)
       else:  # none fits: crop the shortest (the oldest of that length)
-        row.append(self._buffer.pop(0)[3][:space])
+        row.append(self._take(0)[:space])
         space = 0
     return np.concatenate(row)
 
   def get_state(self):
     """The window being read, how far, and the buffered documents' ids from oldest."""
     return {"window": int(self._k), "offset": int(self._offset),
-            "buffer": [int(e[2]) for e in sorted(self._buffer, key=lambda e: e[1])]}
+            "buffer": [int(i) for i in self._by_age.values()]}  # read before each batch
 
   def set_state(self, state):
     self._k, self._offset = int(state["window"]), int(state["offset"])
     self._stream = None  # restarts at that window when next read
     toks = self.windows.tokens_of(state["buffer"])
-    self._buffer, self._seq = [], 0
+    self._buffer, self._by_age, self._seq = [], {}, 0
     for i in state["buffer"]:
       self._add(i, toks[i])
 

@@ -112,7 +112,7 @@ def test_commands_print_only_their_own_lines(run, tmp_path):
   out = _command("convert", f"--checkpoint={tmp_path}/model_000005.npz",
                  f"--meta={tmp_path}/meta_000005.json", f"--workdir={tmp_path}/converted")
   assert out.returncode == 0 and out.stderr == "", out.stderr[-3000:]
-  pytest.importorskip("lm_eval")
+  pytest.importorskip("lm_eval", reason="lm_eval is the optional eval extra: pip install '.[eval]'")
   out = _command("lm_eval", f"--workdir={run}", "--tasks=bov_tiny_ppl", "--limit=2",
                  f"--include_path={ROOT}/tests/data/lm_eval", f"--output={tmp_path}/r.json",
                  env=_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
