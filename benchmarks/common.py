@@ -12,12 +12,12 @@ import jax
 from absl import flags
 from ml_collections import config_flags
 
-from bov_jax import extras
-from bov_jax import metrics
-from bov_jax import plan
-from bov_jax import sharding
-from bov_jax import spec as spec_lib
-from bov_jax import step as step_lib
+from bov_jax.parallel import sharding
+from bov_jax.run import plan
+from bov_jax.run import spec as spec_lib
+from bov_jax.runtime import extras
+from bov_jax.store import metrics
+from bov_jax.training import step as step_lib
 
 CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections config file.")
 JSON = flags.DEFINE_bool("json", False, "Print JSON lines only.")

@@ -29,11 +29,11 @@ from absl import flags
 from absl import logging
 
 from benchmarks import common
-from bov_jax import corpus as corpus_lib
-from bov_jax import data
-from bov_jax import process
-from bov_jax import step as step_lib
-from bov_jax import tokenizer as tok_lib
+from bov_jax.data import batches as data
+from bov_jax.data import corpus as corpus_lib
+from bov_jax.data import sources
+from bov_jax.data import tokenizer as tok_lib
+from bov_jax.training import step as step_lib
 
 _SHARDS = flags.DEFINE_integer("synthetic_shards", 0, "write this many ClimbMix-like shards "
                                "to a temporary directory and read them (0: data.corpus)")
@@ -62,7 +62,7 @@ def write_synthetic(directory: str, shards: int, groups_per_shard: int, seed: in
 
 
 def bench_data(spec, seconds: float, tokenizer_chars: int) -> dict:
-  train, _ = process.documents(spec)
+  train, _ = sources.documents(spec)
   if spec.data.tokenizer:
     tok = tok_lib.load(spec.data.tokenizer)
   else:

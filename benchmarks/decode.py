@@ -21,12 +21,12 @@ from absl import logging
 from flax import nnx
 
 from benchmarks import common
-from bov_jax import inference
-from bov_jax import initialize
-from bov_jax import kvcache
-from bov_jax import spec as spec_lib
-from bov_jax import values
+from bov_jax.inference import generate as inference
 from bov_jax.kernels import bank_decode
+from bov_jax.model import initialize
+from bov_jax.model import kvcache
+from bov_jax.run import spec as spec_lib
+from bov_jax.settings import values
 
 _CONTEXTS = flags.DEFINE_string("contexts", "256,1024", "Context lengths.")
 _BATCH = flags.DEFINE_integer("batch", 1, "Sequences decoded together.")
@@ -76,6 +76,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from bov_jax import hostmem
+  from bov_jax.runtime import hostmem
   hostmem.reexec_with_huge_pages()  # as bov_jax.main does on CPU: see hostmem.py
   app.run(common.with_extras(main))

@@ -29,7 +29,7 @@ from absl import flags
 from absl import logging
 
 from benchmarks import common
-from bov_jax import extras
+from bov_jax.runtime import extras
 
 _REFERENCE = flags.DEFINE_enum("reference", None, ["torch"],
                                "Also time each matmul in PyTorch (eager, needs torch).")
@@ -276,6 +276,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from bov_jax import hostmem
+  from bov_jax.runtime import hostmem
   hostmem.reexec_with_huge_pages()  # as bov_jax.main does on CPU: see hostmem.py
   app.run(common.with_extras(main))

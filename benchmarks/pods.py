@@ -35,10 +35,10 @@ from absl import flags
 
 from benchmarks import common
 from benchmarks.dots import hlo_runs
-from bov_jax import aot
-from bov_jax import config as config_lib
-from bov_jax import plan
-from bov_jax import spec as spec_lib
+from bov_jax.run import plan
+from bov_jax.run import spec as spec_lib
+from bov_jax.settings import config as config_lib
+from bov_jax.training import aot
 
 _RUNS = flags.DEFINE_list("runs", ["bov_780m:v5p-64", "baseline_780m:v5p-64"],
                           "CONFIG:TOPOLOGY pairs (configs/CONFIG.py).")
@@ -120,8 +120,8 @@ def floor(spec, report) -> dict:
   optim.muon_update_dtype), else all-reduced."""
   from flax import nnx
 
-  from bov_jax import model as model_lib
-  from bov_jax import optim
+  from bov_jax.model import gpt as model_lib
+  from bov_jax.optim import optimizer as optim
   fsdp, data = report["mesh"]["fsdp"], report["mesh"]["data"]
   flat = [(tuple(str(k) for k in path), v) for path, v in nnx.to_flat_state(
       nnx.state(model_lib.abstract(spec.model)))]

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bov_jax import optim as jax_optim
+from bov_jax.optim import optimizer as jax_optim
 
 
 def _norm(x):

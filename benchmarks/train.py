@@ -22,7 +22,7 @@ from absl import logging
 
 from benchmarks import common
 from benchmarks import profile as profile_lib
-from bov_jax import extras
+from bov_jax.runtime import extras
 
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps.")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps after compilation.")
@@ -72,6 +72,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from bov_jax import hostmem
+  from bov_jax.runtime import hostmem
   hostmem.reexec_with_huge_pages()  # as bov_jax.main does on CPU: see hostmem.py
   app.run(common.with_extras(main))

@@ -21,7 +21,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from bov_jax import hostmem
+from bov_jax.runtime import hostmem
 
 FAILED = 1     # the README's exit codes: 0 done, 1 the run (or its environment) failed,
 BAD_INPUT = 2  # 2 bad input

@@ -1,28 +1,11 @@
-"""EleutherAI's lm-evaluation-harness on a run directory or an exported folder.
+"""Command: EleutherAI's lm-evaluation-harness on a run directory or an exported folder
+(evaluation/harness.py says what it computes).
 
   python -m bov_jax.lm_eval --workdir=DIR --tasks=hellaswag,arc_easy [--num_fewshot=N]
       [--limit=N] [--include_path=DIR] [--output=FILE] [--batch_size=32]
       [--max_gen_toks=256] [--seed=0]
 
-`BovLM` is lm-eval's `LM` over the run's newest checkpoint (or the folder's weights),
-computing what lm-eval's own `hf` model computes:
-  loglikelihood          the continuation's summed log-probability and whether greedy
-                         decoding gives it; context and continuation encoded together,
-                         <|bos|> in front (the model's training documents start with it),
-                         cut from the left to model.sequence_len + 1 tokens
-  loglikelihood_rolling  a text's log-probability in lm-eval's disjoint rolling windows
-                         of model.sequence_len tokens, the first after <|bos|>
-  generate_until         `inference.stream` over the cache, the context cut from the left
-                         to leave max_gen_toks; stop strings (and <|bos|>, the end of a
-                         document) checked between chunks of decode steps
-Rows are scored by core.Scorer, CORE's batching (longest first, bucketed shapes), and
-prompts padded to the same buckets, so nothing recompiles per request. One process; the
-model is placed on this host's devices by the run's mesh settings.
-
-FILE (default DIR/lm_eval.json) is the JSON lm-eval's evaluator returns
-(`results.<task>.acc,none`, ...), with the run's step; stdout gets one summary line. Tasks
-whose data is local run offline (HF_HUB_OFFLINE=1): a task YAML under --include_path
-whose `dataset_path: json` names local files, as tests/data/lm_eval/ does.
+FILE (default DIR/lm_eval.json) gets lm-eval's results; stdout one summary JSON line.
 """
 
 from __future__ import annotations
@@ -30,264 +13,44 @@ from __future__ import annotations
 import json
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+from absl import app
+from absl import flags
 
 from bov_jax import cli
-from bov_jax import extras
-from bov_jax import rundir
+from bov_jax.evaluation import harness
+from bov_jax.runtime import extras
 
-try:
-  from lm_eval import utils as lm_utils
-  from lm_eval.api.model import TemplateLM
-except ImportError:  # the eval extra is not installed: the command says so (extras.py)
-  lm_utils, TemplateLM = None, object
-
-GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k")
-SAMPLING_ONLY = ("temperature", "top_k", "top_p", "min_p")  # ignored when decoding greedily
-
-
-class BovLM(TemplateLM):
-  """lm-eval's model interface over a bov_jax run directory or exported folder."""
-
-  def __init__(self, workdir: str, batch_size: int = 32, max_gen_toks: int = 256,
-               decode_chunk: int = 32, seed: int = 0):
-    extras.require("lm_eval", "eval", "bov_jax.lm_eval")
-    super().__init__()
-    from bov_jax import core
-    from bov_jax import inference
-    from bov_jax import modes
-    from bov_jax import process
-    from bov_jax import sharding
-    from bov_jax import spec as spec_lib
-    cfg = rundir.config_of(workdir)
-    if batch_size < 1 or max_gen_toks < 1 or decode_chunk < 1:
-      raise ValueError(f"--batch_size={batch_size}, --max_gen_toks={max_gen_toks} and the "
-                       f"decode chunk {decode_chunk} must be positive")
-    spec = spec_lib.resolve(cfg)
-    self.spec, self.workdir = spec, workdir
-    self.mesh = sharding.make_mesh(spec.mesh)
-    self.tok = process.tokenizer(spec, workdir)
-    with jax.set_mesh(self.mesh):
-      self.step, graphdef, self.params = modes.restore(spec, workdir, self.mesh)
-    self.decode_graphdef = inference.decoding_graphdef(spec.model)
-    self.scorer = core.Scorer(graphdef, self.params, pad_id=self.tok.bos_id,
-                              batch_rows=batch_size)
-    self.batch_size, self._max_gen_toks = batch_size, max_gen_toks
-    self.decode_chunk, self.seed = decode_chunk, seed
-    self.prompt_shapes = set()  # (rows, positions) of every generation batch
-
-  # -- what lm-eval asks of a model -----------------------------------------------------
-
-  @property
-  def eot_token_id(self) -> int:
-    return self.tok.bos_id  # nanochat's documents are separated by <|bos|>, not an EOS
-
-  @property
-  def max_length(self) -> int:
-    return self.spec.model.sequence_len
-
-  @property
-  def max_gen_toks(self) -> int:
-    return self._max_gen_toks
-
-  @property
-  def tokenizer_name(self) -> str:
-    return "bov_jax"
-
-  def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs):
-    return self.tok.encode(string, bos=add_special_tokens is not False)
-
-  def tok_decode(self, tokens, **kwargs) -> str:
-    return self.tok.decode(tokens)
-
-  def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
-    """[(request, context ids, continuation ids)] -> [(log-probability, is greedy)]."""
-    rows, conts = [], []
-    for _, context, continuation in requests:
-      if not context or not continuation or len(continuation) > self.max_length:
-        raise ValueError(f"a request of {len(context)} context and {len(continuation)} "
-                         f"continuation tokens (need both, continuation <= {self.max_length})")
-      rows.append((context + continuation)[-(self.max_length + 1):])
-      conts.append(len(continuation))
-    with jax.set_mesh(self.mesh):
-      scored = self.scorer(rows)
-    out = []
-    for (request, _, _), row, n, (nll, pred) in zip(requests, rows, conts, scored):
-      answer = (-float(np.sum(nll[-n:], dtype=np.float64)),
-                bool(np.all(pred[-n:] == np.asarray(row[-n:]))))
-      if request is not None:
-        self.cache_hook.add_partial("loglikelihood", request, answer)
-      out.append(answer)
-    return out
-
-  def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-    windows, owner = [], []
-    for i, (text,) in enumerate(r.args for r in requests):
-      for context, pred in map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
-          token_list=self.tok_encode(text, add_special_tokens=False),
-          prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1)):
-        windows.append((None, context, pred))
-        owner.append(i)
-    totals = [0.0] * len(requests)
-    for i, (ll, _) in zip(owner, self._loglikelihood_tokens(windows)):
-      totals[i] += ll
-    for r, total in zip(requests, totals):
-      self.cache_hook.add_partial("loglikelihood_rolling", r.args, total)
-    return totals
-
-  def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-    """Greedy (or, with do_sample, sampled) continuations, batched per generation
-    setting, longest prompts first."""
-    groups = {}
-    for i, r in enumerate(requests):
-      context, kwargs = r.args
-      groups.setdefault(json.dumps(kwargs or {}, sort_keys=True, default=str), []).append(i)
-    out = [None] * len(requests)
-    for key, members in groups.items():
-      settings = self._generation_settings(json.loads(key))
-      prompts = {i: self._prompt(requests[i].args[0], settings["max_gen_toks"]) for i in members}
-      members.sort(key=lambda i: -len(prompts[i]))
-      for k in range(0, len(members), self.batch_size):
-        batch = members[k:k + self.batch_size]
-        for i, text in zip(batch, self._generate([prompts[i] for i in batch], **settings)):
-          out[i] = text
-          self.cache_hook.add_partial("generate_until", requests[i].args, text)
-    return out
-
-  # -- generation -----------------------------------------------------------------------
-
-  def _generation_settings(self, kwargs: dict) -> dict:
-    unknown = set(kwargs) - set(GEN_KWARGS)
-    if not kwargs.get("do_sample"):  # greedy: what only shapes sampling does not matter
-      unknown -= set(SAMPLING_ONLY)
-    unknown = sorted(unknown)
-    if unknown:
-      raise ValueError(f"generation settings {unknown} are not supported by bov_jax.lm_eval "
-                       f"(supported: {', '.join(GEN_KWARGS)})")
-    until = kwargs.get("until") or []
-    until = [s for s in ([until] if isinstance(until, str) else until) if s]
-    n = int(kwargs.get("max_gen_toks", self.max_gen_toks))
-    if not 0 < n < self.max_length:
-      raise ValueError(f"max_gen_toks={n}: expected 1 to {self.max_length - 1} "
-                       f"(model.sequence_len={self.max_length})")
-    temperature = float(kwargs.get("temperature", 1.0)) if kwargs.get("do_sample") else 0.0
-    return {"until": until, "max_gen_toks": n, "temperature": temperature,
-            "top_k": int(kwargs.get("top_k") or 0)}
-
-  def _prompt(self, context: str, max_gen_toks: int) -> list[int]:
-    """<|bos|> and the context, cut from the left to leave room for max_gen_toks."""
-    return self.tok_encode(context)[-(self.max_length - max_gen_toks):]
-
-  def _generate(self, prompts: list[list[int]], until: list[str], max_gen_toks: int,
-                temperature: float, top_k: int) -> list[str]:
-    from bov_jax import core
-    from bov_jax import inference
-    shape = core.padded_shape(len(prompts), max(map(len, prompts)), self.max_length)
-    self.prompt_shapes.add(shape)
-    ids = np.full(shape, self.tok.bos_id, np.int32)
-    lengths = np.ones(shape[0], np.int32)  # padding rows: a lone <|bos|>
-    for j, p in enumerate(prompts):
-      ids[j, :len(p)], lengths[j] = p, len(p)
-    new = [[] for _ in prompts]
-    with jax.set_mesh(self.mesh):
-      for chunk in inference.stream(
-          self.decode_graphdef, self.params, jnp.asarray(ids), jnp.asarray(lengths),
-          jax.random.key(self.seed), context=self.max_length, max_new_tokens=max_gen_toks,
-          chunk=self.decode_chunk, temperature=temperature, top_k=top_k):
-        for j in range(len(prompts)):
-          new[j].extend(int(t) for t in chunk[j])
-        if all(self._stopped(t, until) for t in new):
-          break
-    return [self._text(t, until) for t in new]
-
-  def _stopped(self, tokens: list[int], until: list[str]) -> bool:
-    return self.tok.bos_id in tokens or any(s in self.tok.decode(tokens) for s in until)
-
-  def _text(self, tokens: list[int], until: list[str]) -> str:
-    """The generated text up to <|bos|> and the first stop string (neither included)."""
-    if self.tok.bos_id in tokens:
-      tokens = tokens[:tokens.index(self.tok.bos_id)]
-    text = self.tok.decode(tokens)
-    for s in until:
-      text = text.split(s, 1)[0]
-    return text
-
-
-# -- the command --------------------------------------------------------------------------
-
-def summary(results: dict) -> dict:
-  """{task: {metric: value}} of lm-eval's results, numbers only."""
-  return {task: {k: v for k, v in metrics.items()
-                 if isinstance(v, (int, float)) and not isinstance(v, bool)}
-          for task, metrics in results.get("results", {}).items()}
-
-
-def check_tasks(manager, tasks: list[str]) -> None:
-  """ValueError naming the tasks lm-eval's task manager does not know."""
-  unknown = [t for t in tasks if not manager.match_tasks([t])]
-  if not tasks or unknown:
-    raise ValueError(f"--tasks: unknown task(s) {unknown} (lm-eval's task names, or a task "
-                     "YAML under --include_path)" if tasks else "--tasks=NAME[,NAME] is required")
-
-
-def evaluate(workdir: str, tasks: list[str], num_fewshot: int | None = None,
-             limit: float | None = None, include_path: str | None = None,
-             output: str | None = None, batch_size: int = 32, max_gen_toks: int = 256,
-             seed: int = 0, log=print) -> dict:
-  """Runs lm-eval's evaluator on the tasks; writes FILE; returns the summary record."""
-  extras.require("lm_eval", "eval", "bov_jax.lm_eval")
-  from etils import epath
-  from lm_eval import evaluator
-  from lm_eval.tasks import TaskManager
-
-  rundir.config_of(workdir)  # a wrong --workdir fails before lm-eval indexes its tasks
-  manager = TaskManager(include_path=include_path)
-  check_tasks(manager, tasks)
-  lm = BovLM(workdir, batch_size=batch_size, max_gen_toks=max_gen_toks, seed=seed)
-  results = evaluator.simple_evaluate(
-      model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-      log_samples=False, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-      fewshot_random_seed=seed)
-  results["bov_jax"] = {"workdir": workdir, "step": int(lm.step)}
-  path = epath.Path(output) if output else rundir.path(workdir) / rundir.LM_EVAL
-  path.write_text(json.dumps(results, indent=2, default=lm_utils.handle_non_serializable))
-  from lm_eval.utils import make_table
-  log(make_table(results))
-  return {"step": int(lm.step), "output": str(path), "results": summary(results)}
+_WORKDIR = flags.DEFINE_string("workdir", None,
+                               "a run directory or an exported folder (export.py)")
+_TASKS = flags.DEFINE_list("tasks", None, "lm-eval task names (comma-separated)")
+_FEWSHOT = flags.DEFINE_integer("num_fewshot", None,
+                                "examples in front of each request (lm-eval's)")
+_LIMIT = flags.DEFINE_float("limit", None, "items per task (below 1: a fraction; lm-eval's)")
+_INCLUDE = flags.DEFINE_string("include_path", None,
+                               "a folder of task YAMLs besides lm-eval's own")
+_OUTPUT = flags.DEFINE_string("output", None, "the results JSON (default: WORKDIR/lm_eval.json)")
+_BATCH = flags.DEFINE_integer("batch_size", 32, "rows scored or generated at once")
+_MAX_GEN = flags.DEFINE_integer("max_gen_toks", 256, "generate_until's default token budget")
+_SEED = flags.DEFINE_integer("seed", 0, "lm-eval's seeds (few-shot sampling) and the sampling key")
 
 
 def main(argv) -> int:
-  from absl import app
-  from absl import flags
-  f = flags.FLAGS
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not f.workdir:
+  if not _WORKDIR.value:
     raise app.UsageError("--workdir=DIR (a run directory or an exported folder) is required")
   try:
-    record = evaluate(f.workdir, f.tasks or [], f.num_fewshot, f.limit, f.include_path,
-                      f.output, f.batch_size, f.max_gen_toks, f.seed,
-                      log=lambda s: print(s, file=sys.stderr))
+    record = harness.evaluate(_WORKDIR.value, _TASKS.value or [], _FEWSHOT.value, _LIMIT.value,
+                              _INCLUDE.value, _OUTPUT.value, _BATCH.value, _MAX_GEN.value,
+                              _SEED.value, log=lambda s: print(s, file=sys.stderr))
   except (ValueError, OSError) as e:  # bad input (2), or the environment failed (1)
     return cli.failed(e)
   except extras.MissingExtra as e:
     print(f"error: {e}", file=sys.stderr)
-    return 1
+    return extras.EXIT
   print(json.dumps(record), flush=True)
   return 0
 
 
 if __name__ == "__main__":
-  from absl import flags
-  flags.DEFINE_string("workdir", None, "a run directory or an exported folder (export.py)")
-  flags.DEFINE_list("tasks", None, "lm-eval task names (comma-separated)")
-  flags.DEFINE_integer("num_fewshot", None, "examples in front of each request (lm-eval's)")
-  flags.DEFINE_float("limit", None, "items per task (below 1: a fraction; lm-eval's)")
-  flags.DEFINE_string("include_path", None, "a folder of task YAMLs besides lm-eval's own")
-  flags.DEFINE_string("output", None, "the results JSON (default: WORKDIR/lm_eval.json)")
-  flags.DEFINE_integer("batch_size", 32, "rows scored or generated at once")
-  flags.DEFINE_integer("max_gen_toks", 256, "generate_until's default token budget")
-  flags.DEFINE_integer("seed", 0, "lm-eval's seeds (few-shot sampling) and the sampling key")
   cli.run(lambda argv: sys.exit(main(argv)))

@@ -1,6 +1,6 @@
 """Entry point: `python -m bov_jax.main --config=FILE [--workdir=DIR] [--mode=MODE]`.
 
-Flags and mode dispatch only: training lives in train.py, the other modes in modes.py.
+Flags only: the modes are jobs/modes.py's (training is training/train.py's).
 A run directory is the source of truth: given one that holds a run, `--config` may be
 left out (the run's config.json is read, and `--config.*` overrides apply to it).
 """
@@ -15,11 +15,14 @@ from absl import flags
 from ml_collections import config_flags
 
 from bov_jax import cli
+from bov_jax.runtime import hostmem
+from bov_jax.settings import config as config_lib
+from bov_jax.store import rundir
 
 MODES = ("train", "plan", "eval", "sample", "compile")
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.py"),
+    "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "settings", "config.py"),
     "ml_collections config file (optional with a --workdir that holds a run).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, tokenizer).")
 _MODE = flags.DEFINE_enum("mode", "train", MODES, "What to do.")
@@ -64,9 +67,7 @@ def distributed_settings(environ=os.environ) -> dict | None:
 def start_distributed(args: dict) -> None:
   """jax.distributed.initialize, with CPU collectives (gloo) where the processes compute
   on the CPU: XLA's CPU backend has no cross-process collectives of its own."""
-  import jax
-
-  from bov_jax import hostmem
+  import jax  # not at the top: the process re-executes itself before JAX starts (hostmem)
   if hostmem.cpu_only():
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(**args)
@@ -80,8 +81,6 @@ def _override_keys(argv) -> list[str]:
 def config_for(mode: str, workdir: str | None, parsed, given: bool, argv):
   """The config a mode runs: --config's file with its overrides, or, without --config,
   the run directory's config.json with the command line's overrides applied to it."""
-  from bov_jax import config as config_lib
-  from bov_jax import rundir
   if given:
     return parsed
   saved = rundir.read_config(workdir) if workdir else None
@@ -95,30 +94,15 @@ def config_for(mode: str, workdir: str | None, parsed, given: bool, argv):
 
 
 def run_mode(mode: str, cfg, workdir: str | None) -> int:
-  """Runs a mode; returns the exit code: 0 done, 2 bad input, 1 the run failed (or, for
-  --mode=compile, a program does not fit), train.PREEMPTED_EXIT (75) stopped by a
-  preemption, checkpointed: run it again."""
-  from bov_jax import checkpoint
-  from bov_jax import extras
-  from bov_jax import modes
-  from bov_jax import train
+  """Runs a mode (jobs/modes.py); returns the exit code: 0 done, 2 bad input, 1 the run
+  failed (or, for --mode=compile, a program does not fit), 75 stopped by a preemption,
+  checkpointed: run it again."""
+  from bov_jax.jobs import modes  # after JAX's set-up here (huge pages, distributed runtime)
   try:
-    if mode == "compile":
-      return modes.compile_for(cfg, _TOPOLOGY.value, _PROGRAMS.value)
-    from bov_jax import spec as spec_lib
-    spec = spec_lib.resolve(cfg)
-    if mode == "plan":
-      return modes.plan(spec)
-    if mode != "train" and not workdir:
-      raise ValueError(f"--mode={mode} needs --workdir=DIR holding a run's checkpoint")
-    from bov_jax import process
-    process.use_compile_cache(spec.train.compile_cache_dir)
-    if mode == "train":
-      return train.PREEMPTED_EXIT if train.train(spec, workdir).get("preempted") else 0
-    return modes.evaluate_or_sample(mode, spec, cfg, workdir)
+    return modes.run(mode, cfg, workdir, _TOPOLOGY.value, _PROGRAMS.value)
   except (ValueError, OSError) as e:  # config, data, run-directory, bundle errors (2), or
     return cli.failed(e)              # a disk, bucket or device that failed (1)
-  except (train.TrainError, checkpoint.CorruptCheckpointError, extras.MissingExtra) as e:
+  except modes.RUN_FAILED as e:
     print(f"error: {e}", file=sys.stderr)  # the run failed, or cannot run here
     return cli.FAILED
 
@@ -138,6 +122,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from bov_jax import hostmem
   hostmem.reexec_with_huge_pages()  # before jax starts, CPU runs only: see hostmem.py
   cli.run(main)

@@ -1,138 +1,29 @@
-"""Experiment grids: one sweep file, one `python -m bov_jax.main` command per point.
-
-A sweep file (configs/sweeps/NAME.py) defines `get_sweep()` returning
-
-  {"base": "configs/bov_135m.py",           # the config every point starts from
-   "points": [{"name": "bov", "overrides": {"model.value.preset": "..."}}, ...]}
-
-`product(...)` builds points from axes when a grid reads better as one. Every
-point keeps the base's FLOP budget (train.target_flops): each variant trains for
-as many steps as its own FLOPs per token allow, as in the paper.
+"""Command: an experiment grid (jobs/sweep.py), one `python -m bov_jax.main` per point.
 
   python -m bov_jax.sweep --sweep=FILE --print [--workdir_root=DIR] [--config.k=v ...]
   python -m bov_jax.sweep --sweep=FILE --local [--workdir_root=DIR]
+
+Sweep files take `from_presets`, `product` and `point` from here (or jobs/sweep.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import itertools
 import json
-import os
 import shlex
-import subprocess
 import sys
-from typing import NamedTuple
 
 from absl import app
 from absl import flags
 
 from bov_jax import cli
-from bov_jax import rundir
-
-BUDGET_KEYS = ("train.target_flops", "train.num_iterations")
-
-
-class SweepError(ValueError):
-  pass
-
-
-def point(name: str, **overrides) -> dict:
-  """A named point; keyword `model__value__preset` stands for `model.value.preset`."""
-  return {"name": name, "overrides": {k.replace("__", "."): v for k, v in overrides.items()}}
-
-
-def from_presets(base: str, rows, numbered: bool = False) -> dict:
-  """A sweep with one point per (name, model.value.preset) row."""
-  return {"base": base,
-          "points": [{"name": f"{i + 1:02d}_{name}" if numbered else name,
-                      "overrides": {"model.value.preset": preset}}
-                     for i, (name, preset) in enumerate(rows)]}
-
-
-def product(*axes) -> list[dict]:
-  """Points from axes, each a list of (name, overrides) pairs: their Cartesian product."""
-  out = []
-  for combo in itertools.product(*axes):
-    name = "-".join(n for n, _ in combo)
-    overrides = {}
-    for _, o in combo:
-      overrides.update(o)
-    out.append({"name": name, "overrides": overrides})
-  return out
-
-
-def load(path: str) -> dict:
-  if not os.path.exists(path):
-    raise SweepError(f"--sweep={path}: no such file")
-  spec = importlib.util.spec_from_file_location("bov_sweep", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  if not hasattr(module, "get_sweep"):
-    raise SweepError(f"--sweep={path} defines no get_sweep()")
-  sweep = module.get_sweep()
-  if "base" not in sweep or not sweep.get("points"):
-    raise SweepError(f"--sweep={path}: get_sweep() must return {{'base': FILE, 'points': [...]}}")
-  names = [p["name"] for p in sweep["points"]]
-  if len(set(names)) != len(names):
-    raise SweepError(f"--sweep={path}: point names repeat: {names}")
-  for p in sweep["points"]:
-    fixed = [k for k in p["overrides"] if k in BUDGET_KEYS]
-    if fixed and not sweep.get("allow_budget_overrides"):
-      raise SweepError(f"--sweep={path}: point {p['name']!r} overrides {fixed}; every point "
-                       "keeps the base's FLOP budget")
-  return sweep
-
-
-def _flag(key, value) -> str:
-  if isinstance(value, bool):
-    value = str(value).lower()
-  return f"--config.{key}={value}"
-
-
-class Point(NamedTuple):
-  name: str
-  workdir: str
-  argv: list[str]  # the command that trains it
-
-
-def commands(sweep: dict, workdir_root: str, extra: list[str]) -> list[Point]:
-  out = []
-  for p in sweep["points"]:
-    workdir = f"{workdir_root.rstrip('/')}/{p['name']}"
-    argv = ["python", "-m", "bov_jax.main", f"--config={sweep['base']}", f"--workdir={workdir}"]
-    argv += [_flag(k, v) for k, v in p["overrides"].items()] + list(extra)
-    out.append(Point(p["name"], workdir, argv))
-  return out
-
-
-def train_point(argv: list[str], workdir: str, every_s: float = 30.0) -> int:
-  """Trains a point (its command), echoing its output and adding it to the point's log
-  (per host) every `every_s` seconds and at the end (a bucket workdir too), so a detached
-  sweep's logs stay with its runs. Returns the exit code."""
-  import socket
-  import time
-
-  from bov_jax import storage
-  log = rundir.sweep_log(workdir, socket.gethostname())
-  if not storage.is_remote(log):
-    os.makedirs(workdir, exist_ok=True)
-  proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  buf, last = [], time.monotonic()
-  for line in proc.stdout:
-    print(line, end="", flush=True)
-    buf.append(line)
-    if time.monotonic() - last > every_s:
-      storage.append_text(log, "".join(buf))
-      buf, last = [], time.monotonic()
-  if buf:
-    storage.append_text(log, "".join(buf))
-  return proc.wait()
+from bov_jax.jobs import sweep as sweep_lib
+from bov_jax.jobs.sweep import from_presets  # noqa: F401  (what sweep files import from here)
+from bov_jax.jobs.sweep import point  # noqa: F401
+from bov_jax.jobs.sweep import product  # noqa: F401
 
 
 def _define_flags():
-  """The command's flags, defined only when it runs as a command: sweep files import
-  this module for its helpers, and a second definition would clash."""
+  """The flags, defined when this runs as the command: sweep files import this module."""
   flags.DEFINE_string("sweep", None, "sweep file (configs/sweeps/NAME.py)")
   flags.DEFINE_string("workdir_root", "runs", "each point runs in WORKDIR_ROOT/NAME")
   flags.DEFINE_bool("print", False, "print one command per point")
@@ -149,26 +40,18 @@ def main(argv) -> int:
   if f.sweep is None or f.print == f.local:
     raise app.UsageError("--sweep=FILE and one of --print or --local are required")
   try:
-    sweep = load(f.sweep)
-  except SweepError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  cmds = commands(sweep, f.workdir_root, extra)
+    sweep = sweep_lib.load(f.sweep)
+  except sweep_lib.SweepError as e:
+    return cli.failed(e)
+  cmds = sweep_lib.commands(sweep, f.workdir_root, extra)
   if f.print:
-    for point in cmds:
-      print(shlex.join(point.argv))
+    for c in cmds:
+      print(shlex.join(c.argv))
     return 0
-  for point in cmds:
-    if rundir.is_done(point.workdir):  # the train loop marks a run done after its last step
-      print(f"[sweep] {point.name}: finished, skipping", flush=True)
-      continue
-    print(f"[sweep] {point.name}: {shlex.join(point.argv)}", flush=True)
-    rc = train_point([sys.executable] + point.argv[1:], point.workdir)
-    if rc != 0:
-      print(f"[sweep] {point.name} failed with exit code {rc}", file=sys.stderr)
-      return rc
-  print(json.dumps({"sweep": f.sweep, "points": [p.name for p in cmds]}))
-  return 0
+  rc = sweep_lib.run_local(cmds)
+  if rc == 0:
+    print(json.dumps({"sweep": f.sweep, "points": [p.name for p in cmds]}))
+  return rc
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The paper's 135M (d12) baseline, Table 6: 2^19 tokens a step, 1.50e18 FLOPs."""
-from bov_jax.config import depth_config
+from bov_jax.settings.config import depth_config
 
 
 def get_config():

@@ -1,5 +1,5 @@
 """The paper's 780M (d24) baseline, Table 6: 2^20 tokens a step, 3.91e19 FLOPs."""
-from bov_jax.config import depth_config
+from bov_jax.settings.config import depth_config
 
 
 def get_config():

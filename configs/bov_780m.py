@@ -1,5 +1,5 @@
 """Bank of Values at 780M (d24), Table 6: gamma * E_l[id] in the last third of the layers."""
-from bov_jax.config import depth_config
+from bov_jax.settings.config import depth_config
 
 
 def get_config():

@@ -4,7 +4,7 @@ Six layers, so the last third holds two bank layers (4 and 5); a 128-token
 short window inside a 256-token context, so sliding windows are exercised.
 Trains on the embedded corpus (Python's own library source and docs).
 """
-from bov_jax.config import base_config
+from bov_jax.settings.config import base_config
 
 
 def get_config():

@@ -2,7 +2,7 @@
 many steps as its own FLOPs per token allow, as in the paper's FLOP-matched tables."""
 import os
 
-from bov_jax import config as config_lib
+from bov_jax.settings import config as config_lib
 
 
 def get_config():

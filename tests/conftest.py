@@ -1,8 +1,12 @@
-"""Test setup: 8 simulated CPU devices (set before jax is imported) and fp32 math."""
+"""Test setup: 8 simulated CPU devices (set before jax is imported) and fp32 math; the
+repository's root (ROOT); the session's shared fixtures (a GCS emulator, a finished tiny
+run)."""
 import atexit
 import os
 import shutil
 import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 # LLVM at -O0 for the CPU programs the tests compile (the runs they start too, through
 # helpers.xla_flags): compiling is most of the suite's time, and the tiny models' programs

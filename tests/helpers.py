@@ -1,27 +1,31 @@
-"""Shared test fixtures: small configs and an independent numpy oracle of the reference's
-forward pass."""
+"""What the tests share: small configs, the one runner of the commands they start, and an
+independent numpy oracle of the reference's forward pass."""
 from __future__ import annotations
 
 import glob
 import json
 import os
 import struct
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 from flax import nnx
 
-from bov_jax import config as config_lib
-from bov_jax import core
-from bov_jax import initialize
-from bov_jax import model as model_lib
-from bov_jax import sharding
-from bov_jax import spec as spec_lib
-from bov_jax import step as step_lib
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+from bov_jax.evaluation import core
+from bov_jax.model import gpt as model_lib
+from bov_jax.model import initialize
+from bov_jax.model import params as params_lib
+from bov_jax.parallel import sharding
+from bov_jax.run import spec as spec_lib
+from bov_jax.settings import config as config_lib
+from bov_jax.store import safetensors
+from bov_jax.training import step as step_lib
+from tests.conftest import ROOT  # noqa: F401  (the tests import it from here too)
 
 
 def xla_flags(devices: int) -> str:
@@ -49,17 +53,17 @@ def small_config(preset: str = "gpt_base_v_from_value_emb_learn", **model):
   c.model.update(model)
   c.model.value.preset = preset
   c.train.num_iterations = 10
-  c.train.batch_tokens = 256
+  c.train.batch_tokens = 512  # 8 rows of 64: one per device of the tests' 8
   c.train.device_batch_size = 4
   return c
 
 
-def run_spec(cfg, backend=None):
-  return spec_lib.resolve(cfg, backend)
+def run_spec(cfg, backend=None, n_devices=None):
+  return spec_lib.resolve(cfg, backend, n_devices)
 
 
 def model_spec(cfg):
-  return spec_lib.resolve(cfg).model
+  return spec_lib.model_of(cfg)
 
 
 def init_model(cfg, key):
@@ -72,7 +76,7 @@ def random_model(cfg, seed=0, scale=0.1, backend=None):
   numpy: for tests of the forward pass, which need every path live (init leaves the
   output projections at zero) but not the initialisation, which has its own tests and
   would cost each of these a compile."""
-  graphdef, state = nnx.split(model_lib.abstract(run_spec(cfg, backend).model))
+  graphdef, state = nnx.split(model_lib.abstract(spec_lib.model_of(cfg, backend)))
   rng = np.random.default_rng(seed)
   leaves, tree = jax.tree.flatten(state)
   leaves = [jnp.asarray(scale * rng.standard_normal(x.shape), x.dtype) for x in leaves]
@@ -251,7 +255,7 @@ def sgd_step_on_mesh_and_one_device(cfg, idx, shape):
   c = small_config()
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = shape
   mesh = sharding.make_mesh(c.mesh)
-  _, _, shardings = step_lib.abstract_params(run_spec(cfg), mesh)
+  _, _, shardings = params_lib.abstract_params(model_spec(cfg), mesh)
   p8 = jax.device_put(params, shardings)
   bsh = sharding.batch_sharding(mesh, leading_dims=2)
   with jax.set_mesh(mesh):
@@ -299,3 +303,58 @@ def write_authors_bundle(root, n_items=3):
                                   "commonsense_reasoning/copa.jsonl\n  num_fewshot: [7]\n"
                                   "  icl_task_type: multiple_choice\n")
   return tasks
+
+
+def weights_dict():
+  """A small nested parameter dict of mixed dtypes, as an exported folder holds."""
+  rng = np.random.default_rng(0)
+  return {"wte": rng.standard_normal((10, 4)).astype(ml_dtypes.bfloat16),
+          "blocks": {0: {"attn": {"wq": rng.standard_normal((4, 4)).astype(np.float32)}},
+                     1: {"attn": {"wq": rng.standard_normal((4, 4)).astype(np.float32)}}},
+          "tables": {"layer_1": rng.standard_normal((10, 4)).astype(ml_dtypes.bfloat16)}}
+
+
+def equal_bits(a: dict, b: dict):
+  fa, fb = safetensors.tensor_names(a), safetensors.tensor_names(b)
+  assert sorted(fa) == sorted(fb)
+  for k in fa:
+    x, y = np.asarray(fa[k]), np.asarray(fb[k])
+    assert x.dtype == y.dtype and x.shape == y.shape, k
+    assert x.tobytes() == y.tobytes(), k
+
+
+# --- the one runner of the commands the tests start -----------------------------------
+
+def command_env(devices: int = 1, **extra) -> dict:
+  """The environment a test starts a command in: `devices` simulated CPU devices,
+  compiled as the session compiles (xla_flags), output unbuffered; `extra` on top (None
+  removes a variable: JAX_PLATFORMS=None runs it as a user does, the CPU picked by the
+  command itself)."""
+  env = dict(os.environ, XLA_FLAGS=xla_flags(devices), PYTHONUNBUFFERED="1")
+  for k, v in extra.items():
+    if v is None:
+      env.pop(k, None)
+    else:
+      env[k] = str(v)
+  return env
+
+
+def _argv(module: str, args) -> list[str]:
+  return [sys.executable, "-m", module if "." in module else f"bov_jax.{module}",
+          *map(str, args)]
+
+
+def command(module: str, *args, devices: int = 1, env=None, timeout: float = 600,
+            input: str | None = None) -> subprocess.CompletedProcess:
+  """`python -m bov_jax.MODULE ARGS...` (or a dotted module, `benchmarks.train`) run from
+  the repository root, its output captured as text."""
+  return subprocess.run(_argv(module, args), capture_output=True, text=True, cwd=ROOT,
+                        env=env or command_env(devices), timeout=timeout, input=input)
+
+
+def start(module: str, *args, devices: int = 1, env=None, **popen) -> subprocess.Popen:
+  """The same command started, not waited for (for a test that signals or kills it)."""
+  popen.setdefault("stdout", subprocess.PIPE)
+  popen.setdefault("stderr", subprocess.STDOUT)
+  return subprocess.Popen(_argv(module, args), text=True, cwd=ROOT,
+                          env=env or command_env(devices), **popen)

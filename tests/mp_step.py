@@ -16,11 +16,11 @@ def main(n: int, pid: int, port: int) -> None:
   import jax.numpy as jnp
   import numpy as np
 
-  from bov_jax import corpus
-  from bov_jax import data
-  from bov_jax import sharding
-  from bov_jax import spec as spec_lib
-  from bov_jax import step
+  from bov_jax.data import batches as data
+  from bov_jax.data import corpus
+  from bov_jax.parallel import sharding
+  from bov_jax.run import spec as spec_lib
+  from bov_jax.training import step
   from tests.helpers import small_config
   cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=120, n_layer=2)
   cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 2, 2, 1

@@ -7,8 +7,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bov_jax import config as config_lib
 from bov_jax.kernels import attention
+from bov_jax.settings import config as config_lib
 from tests.helpers import init_model
 from tests.helpers import run_spec
 from tests.helpers import small_config

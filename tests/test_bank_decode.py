@@ -11,14 +11,16 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from bov_jax import config as config_lib
-from bov_jax import inference
-from bov_jax import kvcache
-from bov_jax import sharding
-from bov_jax import step as step_lib
+from bov_jax.inference import generate as inference
 from bov_jax.kernels import attention
 from bov_jax.kernels import bank_decode
 from bov_jax.kernels import bank_decode_tpu
+from bov_jax.model import kvcache
+from bov_jax.model import params as params_lib
+from bov_jax.parallel import sharding
+from bov_jax.run import spec as spec_lib
+from bov_jax.settings import config as config_lib
+from tests.helpers import model_spec
 from tests.helpers import random_model
 from tests.helpers import run_spec
 from tests.helpers import small_config
@@ -155,16 +157,19 @@ def test_a_table_split_over_its_width_takes_xla():
 
 
 def test_auto_takes_the_tpu_kernel_only_where_it_compiles(monkeypatch, caplog):
-  """For a TPU target, `auto` is decided before tracing (`bank_decode.resolve`): the
-  kernel is compiled once for the target device per bank layer's window (Mosaic's
-  own compile), and where it does not compile, decoding keeps XLA's gather and a
-  warning names the setting. Here the target is this CPU: the kernel compiled for
-  it, not interpreted, fails as a kernel Mosaic rejects would, and the interpreted
-  one compiles. A trace never meets the undecided setting."""
+  """For a TPU target, `auto` is decided once, when the run spec is resolved for its
+  target device (`bank_decode.resolve`, called by spec.resolve): the kernel is compiled
+  once for that device per bank layer's window (Mosaic's own compile), and where it does
+  not compile, decoding keeps XLA's gather and a warning names the setting. Here the
+  target is this CPU: the kernel compiled for it, not interpreted, fails as a kernel
+  Mosaic rejects would, and the interpreted one compiles. A trace never meets the
+  undecided setting."""
+  from bov_jax.settings import model_spec as model_spec_lib
   cfg = small_config(sequence_len=128, n_embd=256, n_head=2, n_kv_head=1)
-  spec = run_spec(cfg, backend="tpu").model
+  spec = model_spec_lib.model_spec(cfg.model, "tpu")
   assert spec.decode_attention == "fused_if_compiles"
-  assert run_spec(cfg, backend="gpu").model.decode_attention == "xla"
+  assert spec_lib.model_of(cfg, backend="gpu").decode_attention == "xla"
+  assert spec_lib.model_of(cfg, backend="tpu").decode_attention == "xla"  # no TPU to ask
   windows = {w for lv, w in zip(spec.layers, spec.windows) if lv.is_bank}
   bank_decode.compiles.cache_clear()
   with caplog.at_level(logging.WARNING):
@@ -176,6 +181,8 @@ def test_auto_takes_the_tpu_kernel_only_where_it_compiles(monkeypatch, caplog):
   bank_decode.compiles.cache_clear()
   assert bank_decode.resolve(spec, jax.devices()[0]).decode_attention == "fused"
   assert bank_decode.compiles.cache_info().misses == len(windows)
+  resolved = spec_lib.resolve(cfg, backend="tpu", n_devices=1, device=jax.devices()[0])
+  assert resolved.model.decode_attention == resolved.sample_model.decode_attention == "fused"
   assert bank_decode.resolve(dataclasses.replace(spec, decode_attention="xla")) \
       .decode_attention == "xla"
   with pytest.raises(ValueError, match="before tracing"):
@@ -302,7 +309,7 @@ def test_generation_on_a_mesh_with_the_kernel_equals_xla():
   out = {}
   for impl in ("xla", "fused"):
     graphdef, state = _bov(impl)
-    _, _, shardings = step_lib.abstract_params(run_spec(_bov_config(impl)), mesh)
+    _, _, shardings = params_lib.abstract_params(model_spec(_bov_config(impl)), mesh)
     params = jax.device_put(nnx.to_pure_dict(state), shardings)
     with jax.set_mesh(mesh):
       assert params["tables"]["layer_2"].sharding.spec[0] == "tensor"

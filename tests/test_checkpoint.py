@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bov_jax import checkpoint
-from bov_jax import config as config_lib
+from bov_jax.settings import config as config_lib
+from bov_jax.store import checkpoint
 
 
 def test_restore_parameters_alone_and_fall_back_past_a_corrupt_step(tmp_path):

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bov_jax import checkpoint
 from bov_jax import cli
-from bov_jax import corpus
-from bov_jax import hostmem
-from bov_jax import rundir
-from bov_jax import tokenizer as tok_lib
+from bov_jax.data import corpus
+from bov_jax.data import tokenizer as tok_lib
+from bov_jax.runtime import hostmem
+from bov_jax.store import checkpoint
+from bov_jax.store import rundir
 from tests import helpers
 from tests.helpers import ROOT
 from tests.helpers import random_model

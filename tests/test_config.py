@@ -1,8 +1,8 @@
 """Config schema, value-mode resolution and the named errors for bad settings."""
 import pytest
 
-from bov_jax import config as config_lib
-from bov_jax import values
+from bov_jax.settings import config as config_lib
+from bov_jax.settings import values
 from tests.helpers import run_spec
 from tests.helpers import small_config
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bov_jax import convert
-from bov_jax import model as model_lib
-from bov_jax import values
+from bov_jax.interop import nanochat as convert
+from bov_jax.model import gpt as model_lib
+from bov_jax.settings import values
 from tests import helpers
 from tests.helpers import ROOT
 from tests.helpers import model_spec
@@ -100,9 +100,9 @@ def test_round_trip_to_reference_names():
 
 @pytest.mark.slow
 def test_convert_command_writes_a_loadable_checkpoint(tmp_path):
-  from bov_jax import checkpoint
-  from bov_jax import model as model_lib
-  from bov_jax import rundir
+  from bov_jax.model import gpt as model_lib
+  from bov_jax.store import checkpoint
+  from bov_jax.store import rundir
   mt = "gpt_base_v_from_x0_learn"
   sd = helpers.random_reference_state_dict(mt, DIMS)
   np.savez(tmp_path / "model_000123.npz", **sd)
@@ -143,9 +143,9 @@ def test_convert_brings_the_reference_tokenizer_and_never_trains_one(tmp_path):
   without one is refused a freshly trained tokenizer (its weights need their own)."""
   import pickle
 
-  from bov_jax import corpus
-  from bov_jax import process
-  from bov_jax import tokenizer as tok_lib
+  from bov_jax.data import corpus
+  from bov_jax.data import sources
+  from bov_jax.data import tokenizer as tok_lib
   from tests.helpers import run_spec
   from tests.helpers import small_config
   dims = dict(DIMS, vocab_size=300)
@@ -163,14 +163,14 @@ def test_convert_brings_the_reference_tokenizer_and_never_trains_one(tmp_path):
   got = tok_lib.load(str(tmp_path / "run" / "tokenizer"))
   assert got.encode("def f(x): return x") == ref.encode("def f(x): return x")
   spec = run_spec(small_config("gpt_base", vocab_size=300))
-  assert process.tokenizer(spec, str(tmp_path / "run")).vocab_size == 300
+  assert sources.tokenizer(spec, str(tmp_path / "run")).vocab_size == 300
   out = subprocess.run(cmd + [f"--workdir={tmp_path}/bare"], capture_output=True, text=True,
                        cwd=ROOT, timeout=300)
   assert out.returncode == 0, out.stderr
-  train, _ = process.documents(spec)
+  train, _ = sources.documents(spec)
   with pytest.raises(tok_lib.TokenizerError, match=r"has no tokenizer/tokenizer\.pkl.*"
                      r"--config\.data\.tokenizer=PATH"):
-    process.tokenizer(spec, str(tmp_path / "bare"), train)  # would train: refused
+    sources.tokenizer(spec, str(tmp_path / "bare"), train)  # would train: refused
   (tmp_path / "small").mkdir()
   small = tok_lib.train(tok_lib.training_texts(corpus.embedded_documents()[:400], 300_000), 280)
   (tmp_path / "small" / "tokenizer.pkl").write_bytes(pickle.dumps(small.enc))

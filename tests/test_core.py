@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from bov_jax import core as ev
+from bov_jax.evaluation import core as ev
 from tests.helpers import write_authors_bundle
 
 

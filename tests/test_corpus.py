@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from bov_jax import corpus
+from bov_jax.data import corpus
 from tests.helpers import corrupt_row_group
 
 

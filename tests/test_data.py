@@ -4,9 +4,9 @@ import json
 import numpy as np
 import pytest
 
-from bov_jax import corpus
-from bov_jax import data
-from bov_jax import tokenizer as tok_lib
+from bov_jax.data import batches as data
+from bov_jax.data import corpus
+from bov_jax.data import tokenizer as tok_lib
 
 
 class FakeWindows:

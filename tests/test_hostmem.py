@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from bov_jax import hostmem
+from bov_jax.runtime import hostmem
 
-PROBE = ("import os; from bov_jax import hostmem; hostmem.reexec_with_huge_pages(); "
+PROBE = ("import os; from bov_jax.runtime import hostmem; hostmem.reexec_with_huge_pages(); "
          "print('TUNABLES=' + os.environ.get('GLIBC_TUNABLES', ''))")
 
 
@@ -44,7 +44,7 @@ def test_only_cpu_runs_reexec():
   env.pop("GLIBC_TUNABLES", None)
   env.pop("BOV_HUGEPAGES", None)
   assert not hostmem.wanted(env)
-  probe = ("import os; from bov_jax import hostmem; hostmem.reexec_with_huge_pages(); "
+  probe = ("import os; from bov_jax.runtime import hostmem; hostmem.reexec_with_huge_pages(); "
            "print('TUNABLES=' + os.environ.get('GLIBC_TUNABLES', ''))")
   out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                        timeout=60, env=env)

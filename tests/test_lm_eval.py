@@ -11,14 +11,14 @@ import pytest
 from flax import nnx
 from lm_eval.api.instance import Instance
 
-from bov_jax import checkpoint
-from bov_jax import corpus
-from bov_jax import inference
-from bov_jax import lm_eval
-from bov_jax import modes
-from bov_jax import rundir
-from bov_jax import spec as spec_lib
-from bov_jax import tokenizer as tok_lib
+from bov_jax.data import corpus
+from bov_jax.data import tokenizer as tok_lib
+from bov_jax.evaluation import harness as lm_eval
+from bov_jax.inference import generate as inference
+from bov_jax.jobs import modes
+from bov_jax.run import spec as spec_lib
+from bov_jax.store import checkpoint
+from bov_jax.store import rundir
 from tests.helpers import ROOT
 from tests.helpers import random_model
 from tests.helpers import small_config
@@ -166,7 +166,7 @@ def test_generate_until_is_greedy_sampling(run, lm, monkeypatch):
 
 
 def test_an_exported_folder_scores_as_its_run(run, lm, tmp_path):
-  from bov_jax import export
+  from bov_jax.interop import export
   wd, _ = run
   export.export(wd, str(tmp_path / "hf"))
   folder = lm_eval.BovLM(str(tmp_path / "hf"), batch_size=8)

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bov_jax.kernels import loss as losses
+from bov_jax.model import loss as losses
 
 
 def _reference(h, w, y, vocab):

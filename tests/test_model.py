@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bov_jax import model as model_lib
-from bov_jax import values
 from bov_jax.kernels import attention
-from bov_jax.kernels.matmul import mm
+from bov_jax.model import gpt as model_lib
+from bov_jax.model.matmul import mm
+from bov_jax.settings import values
 from tests.helpers import init_model
 from tests.helpers import model_spec
 from tests.helpers import random_model

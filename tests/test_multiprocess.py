@@ -96,8 +96,8 @@ def test_multiprocess_step_and_data_equal_one_process():
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
   """A small corpus and one tokenizer for every run here (each would train the same one)."""
-  from bov_jax import corpus
-  from bov_jax import tokenizer as tok_lib
+  from bov_jax.data import corpus
+  from bov_jax.data import tokenizer as tok_lib
   d = tmp_path_factory.mktemp("data")
   docs = corpus.embedded_documents()[:3000]
   (d / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))

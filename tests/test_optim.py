@@ -7,10 +7,10 @@ import numpy as np
 import optax
 import pytest
 
-from bov_jax import config as config_lib
-from bov_jax import optim
-from bov_jax import plan
-from bov_jax import spec as spec_lib
+from bov_jax.optim import optimizer as optim
+from bov_jax.run import plan
+from bov_jax.run import spec as spec_lib
+from bov_jax.settings import config as config_lib
 
 PE = [(8.156554524902461, -22.48329292557795, 15.878769915207462),
       (4.042929935166739, -2.808917465908714, 0.5000178451051316),

@@ -8,22 +8,24 @@ import sys
 
 from tests import helpers
 
-ROOT = pathlib.Path(helpers.ROOT)
-LIBRARY = sorted((ROOT / "bov_jax").rglob("*.py"))
+REPO = pathlib.Path(helpers.ROOT)
+LIBRARY = sorted((REPO / "bov_jax").rglob("*.py"))
 
 
 def test_importing_every_module_imports_no_torch():
-  modules = [".".join(p.relative_to(ROOT).with_suffix("").parts) for p in LIBRARY]
+  """The library and `main` (each command defines its flags when imported, so they are
+  imported one per process by the tests that run them)."""
+  modules = [_name(p) for p in LIBRARY if not _is_command(p) or p.stem == "main"]
   code = ("import sys\n" + "".join(f"import {m}\n" for m in modules)
           + "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_modules_hold_one_idea_each():
-  long = {str(p.relative_to(ROOT)): n for p in LIBRARY
+  long = {str(p.relative_to(REPO)): n for p in LIBRARY
           if (n := len(p.read_text().splitlines())) > 400}
   assert not long, long
   for p in LIBRARY:  # benchmarks and their profilers live in benchmarks/; a training
@@ -33,7 +35,7 @@ def test_modules_hold_one_idea_each():
 
 def test_no_path_hacks_and_no_outside_citations():
   for d in ("bov_jax", "configs", "tests"):
-    for p in (ROOT / d).rglob("*.py"):
+    for p in (REPO / d).rglob("*.py"):
       text = p.read_text()
       if p.resolve() != pathlib.Path(__file__).resolve():  # the one file that names it
         assert "sys.path" not in text, p
@@ -45,7 +47,7 @@ def test_the_training_loop_reads_top_to_bottom():
   """train.py: no function over 40 lines, and every attribute of the loop is first set
   in its set-up (`__init__`), none later."""
   import ast
-  tree = ast.parse((ROOT / "bov_jax" / "train.py").read_text())
+  tree = ast.parse((REPO / "bov_jax" / "training" / "train.py").read_text())
   funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
   long = {f.name: f.end_lineno - f.lineno + 1 for f in funcs if f.end_lineno - f.lineno + 1 > 40}
   assert not long, long
@@ -67,26 +69,77 @@ def test_the_training_loop_reads_top_to_bottom():
   assert not any(later.values()), later
 
 
-def _imports(path: pathlib.Path) -> set[str]:
-  """The package's modules that `path` imports, at its top or inside a function alike."""
+def _name(p: pathlib.Path) -> str:
+  return ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _is_command(p: pathlib.Path) -> bool:
+  """A command: a module of the package's top (but cli.py, what they share), or a
+  folder's `__main__.py`."""
+  top = p.parent == REPO / "bov_jax"
+  return p.name == "__main__.py" or (top and p.stem not in ("__init__", "cli"))
+
+
+def _folder(module: str) -> str:
+  """The folder a module of the package is in ("" for the package's top)."""
+  parts = module.split(".")
+  return parts[1] if len(parts) > 2 or (REPO / "bov_jax" / parts[-1]).is_dir() else ""
+
+
+MODULES = {_name(p): p for p in LIBRARY}
+
+
+def _imports(path: pathlib.Path) -> list[tuple[str, int, bool]]:
+  """(module of the package, line, inside a function) for every import of `path`."""
   import ast
-  out = set()
-  for node in ast.walk(ast.parse(path.read_text())):
-    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bov_jax"):
-      for alias in node.names:  # `from bov_jax import x` names a module; `from bov_jax.m import y` m
-        sub = f"{node.module}.{alias.name}"
-        out.add(sub if (ROOT / (sub.replace(".", "/") + ".py")).exists() else node.module)
-    elif isinstance(node, ast.Import):
-      out.update(a.name for a in node.names if a.name.startswith("bov_jax."))
+  tree = ast.parse(path.read_text())
+  out = []
+
+  def visit(node, in_function):
+    for child in ast.iter_child_nodes(node):
+      inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                ast.Lambda))
+      names = []
+      if isinstance(child, ast.ImportFrom) and (child.module or "").startswith("bov_jax"):
+        for a in child.names:  # `from bov_jax.x import m` names the module m, or names in x
+          sub = f"{child.module}.{a.name}"
+          names.append(sub if sub in MODULES else child.module)
+      elif isinstance(child, ast.Import):
+        names = [a.name for a in child.names if a.name.startswith("bov_jax.")]
+      out.extend((n, child.lineno, in_function) for n in names if n in MODULES)
+      visit(child, inner)
+
+  visit(tree, False)
   return out
 
 
-def test_the_package_imports_no_circle():
-  """No module reaches itself through the package's imports, counting those inside
-  functions, which only hide a circle."""
-  modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-             for p in LIBRARY}
-  graph = {m: {d for d in _imports(p) if d in modules and d != m} for m, p in modules.items()}
+def _top_imports(path: pathlib.Path) -> set[str]:
+  """The top-level names of what `path` imports at module level (a try: included)."""
+  import ast
+  out = set()
+  for node in ast.parse(path.read_text()).body:
+    for n in ast.walk(node) if isinstance(node, (ast.Try, ast.If)) else [node]:
+      if isinstance(n, ast.Import):
+        out.update(a.name.split(".")[0] for a in n.names)
+      elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
+        out.add(n.module.split(".")[0])
+  return out
+
+
+def _optional_extras() -> set[str]:
+  """The import names of pyproject.toml's optional extras (not the JAX backends' or dev's)."""
+  import tomllib
+  extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+  return {re.split(r"[=<>\[; ]", d)[0].replace("-", "_") for name, deps in extras.items()
+          if name not in ("tpu", "cuda", "dev") for d in deps}
+
+
+def test_the_package_imports_no_circle_and_nothing_inside_a_function():
+  """No module reaches itself through the package's imports (counting those inside
+  functions, which only hide a circle), and none imports one of the package's modules
+  inside a function, but a command (it sets up JAX before the library loads) or to reach
+  a module that needs an optional extra."""
+  graph = {m: {d for d, _, _ in _imports(p) if d != m} for m, p in MODULES.items()}
   state, circles = {}, []
 
   def visit(m, trail):
@@ -102,3 +155,51 @@ def test_the_package_imports_no_circle():
     if m not in state:
       visit(m, [m])
   assert not circles, [" -> ".join(c) for c in circles]
+  extras = _optional_extras()
+  assert {"torch", "lm_eval", "wandb", "matplotlib"} <= extras
+  hidden = [f"{p.relative_to(REPO)}:{line} imports {d}" for m, p in MODULES.items()
+            for d, line, inside in _imports(p)
+            if inside and not _is_command(p) and not _top_imports(MODULES[d]) & extras]
+  assert not hidden, hidden
+
+
+def _declared_imports() -> dict[str, set[str]]:
+  """{folder: the folders its __init__.py says it may import}, from its `Imports:` line."""
+  folders = {p.parent.name for p in LIBRARY if p.name == "__init__.py" and p.parent.name != "bov_jax"}
+  out = {}
+  for f in folders:
+    doc = (REPO / "bov_jax" / f / "__init__.py").read_text()
+    line = re.search(r"^Imports: (.*)$", doc, re.M)
+    assert line, f"bov_jax/{f}/__init__.py says nothing of what it may import"
+    out[f] = {w for w in re.findall(r"\w+", line.group(1)) if w in folders}
+  return out
+
+
+def test_each_folder_imports_only_the_folders_below_it():
+  """Every folder's __init__.py says what it holds and which folders it may import; those
+  form no circle (each folder sits above the ones it imports) and the code keeps to them:
+  no arrow back up. Commands sit above everything."""
+  declared = _declared_imports()
+  order, seen = [], set()
+
+  def place(f, trail):
+    assert f not in trail, f"the folders' Imports: lines go round: {' -> '.join(trail + [f])}"
+    if f not in seen:
+      for d in sorted(declared[f]):
+        place(d, trail + [f])
+      seen.add(f)
+      order.append(f)
+
+  for f in sorted(declared):
+    place(f, [])
+  wrong = []
+  for m, p in MODULES.items():
+    here = _folder(m)
+    if _is_command(p) or not here:
+      continue
+    for d, line, _ in _imports(p):
+      there = _folder(d)
+      if there != here and there not in declared[here]:
+        wrong.append(f"{p.relative_to(REPO)}:{line} imports {d} ({there or 'the top'})")
+  assert not wrong, wrong
+  assert {_folder(m) for m, p in MODULES.items() if _folder(m)} == set(declared)

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from bov_jax import config as config_lib
-from bov_jax import plan
+from bov_jax.run import plan
+from bov_jax.settings import config as config_lib
 from tests.helpers import model_spec
 from tests.helpers import small_config
 

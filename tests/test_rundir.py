@@ -7,8 +7,8 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from bov_jax import checkpoint
-from bov_jax import rundir
+from bov_jax.store import checkpoint
+from bov_jax.store import rundir
 from tests.helpers import ROOT
 from tests.helpers import small_config
 
@@ -98,7 +98,7 @@ def test_no_other_module_spells_a_run_directory_name():
   out = subprocess.run(["grep", "-rn", '"DONE"\\|"metrics.jsonl"\\|"checkpoints"\\|"config.json"',
                         "bov_jax"], capture_output=True, text=True, cwd=ROOT)
   files = {line.split(":", 1)[0] for line in out.stdout.splitlines()}
-  assert files == {"bov_jax/rundir.py"}, out.stdout
+  assert files == {"bov_jax/store/rundir.py"}, out.stdout
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """The training loop's named actions: due by count, after the last step, on a condition."""
-from bov_jax import schedule
+from bov_jax.training import schedule
 
 
 def test_actions_run_in_the_order_added_when_due():

@@ -9,10 +9,11 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from bov_jax import model as model_lib
-from bov_jax import plan
-from bov_jax import sharding
-from bov_jax import step as step_lib
+from bov_jax.model import gpt as model_lib
+from bov_jax.model import params as params_lib
+from bov_jax.parallel import sharding
+from bov_jax.run import plan
+from bov_jax.training import step as step_lib
 from tests.helpers import TINY_RUN
 from tests.helpers import model_spec
 from tests.helpers import run_spec
@@ -67,7 +68,7 @@ def test_table_lookup_matches_plain_gather(shape, impl):
 
 
 def _params_on(mesh, cfg, seed=0):
-  _, params, shardings = step_lib.init_params(run_spec(cfg), mesh, jax.random.key(seed))
+  _, params, shardings = params_lib.init_params(model_spec(cfg), mesh, jax.random.key(seed))
   return params, shardings
 
 
@@ -155,7 +156,7 @@ def test_step_never_all_gathers_a_value_table(shape):
 
 
 def test_plan_reports_bytes_per_device():
-  from bov_jax import config as config_lib
+  from bov_jax.settings import config as config_lib
   one = config_lib.depth_config(24, "gpt_base_v_from_value_emb_learn")
   one.mesh.data, one.mesh.fsdp, one.mesh.tensor = 1, 1, 1
   eight = config_lib.depth_config(24, "gpt_base_v_from_value_emb_learn")

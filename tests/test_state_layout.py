@@ -3,8 +3,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from bov_jax import sharding
-from bov_jax import state_layout
+from bov_jax.parallel import sharding
+from bov_jax.parallel import state_layout
 from tests.helpers import small_config
 
 

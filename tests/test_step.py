@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bov_jax import checkpoint
-from bov_jax import sharding
-from bov_jax import state_layout
-from bov_jax import step as step_lib
+from bov_jax.parallel import sharding
+from bov_jax.parallel import state_layout
+from bov_jax.store import checkpoint
+from bov_jax.training import step as step_lib
 from tests.helpers import random_model
 from tests.helpers import run_spec
 from tests.helpers import small_config

@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from bov_jax import corpus
-from bov_jax import storage
+from bov_jax.data import corpus
+from bov_jax.store import storage
 from tests.helpers import ROOT
 from tests.helpers import TINY_RUN
 from tests.helpers import xla_flags

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from bov_jax import report
-from bov_jax import sweep
+from bov_jax.jobs import report
+from bov_jax.jobs import sweep
 from tests.helpers import ROOT
 from tests.helpers import random_model
 from tests.helpers import small_config
@@ -79,7 +79,7 @@ def _run_dir(wd: str, preset: str, bpb: float) -> str:
   checkpoint and metrics whose validation bpb falls with the tokens."""
   from flax import nnx
 
-  from bov_jax import checkpoint
+  from bov_jax.store import checkpoint
   cfg = small_config(preset, n_layer=2)  # the second layer is the bank layer
   checkpoint.save_params(wd, cfg, nnx.to_pure_dict(nnx.state(random_model(cfg))), step=6)
   with open(os.path.join(wd, "metrics.jsonl"), "w") as f:

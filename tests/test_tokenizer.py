@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from bov_jax import corpus
-from bov_jax import tokenizer as tok_lib
+from bov_jax.data import corpus
+from bov_jax.data import tokenizer as tok_lib
 from tests.helpers import ROOT
 
 

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch", reason="the PyTorch reference is the option
                             "pip install -e '.[torch]'")
 
 from benchmarks import torch_reference  # noqa: E402
-from bov_jax import optim  # noqa: E402
+from bov_jax.optim import optimizer as optim  # noqa: E402
 from tests.helpers import init_model  # noqa: E402
 from tests.helpers import model_spec  # noqa: E402
 from tests.helpers import small_config  # noqa: E402

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from bov_jax import aot
-from bov_jax import spec as spec_lib
+from bov_jax.parallel import topology
+from bov_jax.training import aot
 from tests.helpers import ROOT
 from tests.helpers import small_config
 
@@ -46,27 +46,14 @@ def _custom_calls(compiled) -> int:
   return compiled.as_text().count('custom_call_target="tpu_custom_call"')
 
 
-def test_topologies_are_gcloud_names():
-  chip, n, dims = aot.parse_topology("v5p-64")
-  assert (chip.family, n, dims, chip.cores_per_chip) == ("v5p", 32, "2x4x4", 2)
-  assert aot.parse_topology("v5litepod-16")[1:] == aot.parse_topology("v5e-16")[1:] == (16, "4x4")
-  assert aot.parse_topology("v4-32")[1] == 16 and aot.parse_topology("v6e-8")[1] == 8
-  for bad in ("v5p-63", "v7-8", "v5e", "tpu"):
-    with pytest.raises(aot.TopologyError, match="known: .*v5p-64"):
-      aot.parse_topology(bad)
-  devices, chip = aot.devices("v5e-4")
-  assert len(devices) == 4 and devices[0].device_kind == "TPU v5 lite"
-  assert chip.hbm_bytes == int(15.75 * aot.GiB)
-
-
 @pytest.mark.slow
 def test_train_step_compiles_with_splash_for_a_tpu():
   """The train step, as step.build makes it, over a v5e-4 split data x fsdp: Splash
   attention (its forward and backward kernels) compiled by Mosaic; the memory figures
   are the compiler's."""
-  spec = spec_lib.resolve(_config(data=2, fsdp=2), backend="tpu")
+  spec = aot.spec_for(_config(data=2, fsdp=2), "v5e-4")
   assert spec.model.attention == "splash" and not spec.model.splash_interpret
-  devices, _ = aot.devices("v5e-4")
+  devices, _ = topology.devices("v5e-4")
   mesh = aot.sharding.make_mesh(spec.mesh, devices)
   layout, lowered = aot.train_programs(spec, mesh)
   assert (layout.rows_per_device, layout.accum) == (2, 1)
@@ -91,8 +78,8 @@ def _data_parallel_step(shard_optimizer):
   """A data-parallel train step's compiled HLO."""
   cfg = _dp_config()
   cfg.optim.shard_optimizer = shard_optimizer
-  spec = spec_lib.resolve(cfg, backend="tpu")
-  devices, _ = aot.devices("v5e-4")
+  spec = aot.spec_for(cfg, "v5e-4")
+  devices, _ = topology.devices("v5e-4")
   layout, lowered = aot.train_programs(spec, aot.sharding.make_mesh(spec.mesh, devices))
   assert layout.accum == 2
   return aot.compile_lowered(lowered["train_step"])[1].as_text()
@@ -142,11 +129,12 @@ def test_a_data_parallel_step_reduces_once_and_gathers_only_parameters():
 @pytest.mark.slow
 def test_decode_programs_compile_with_the_bank_kernel():
   """Decoding on a v5e-4 (batch over data, tables whole): the bank-decode kernel is
-  chosen because it compiles for the target (Mosaic, `bank_decode.resolve`), and the
-  decode step and a prefill chunk compile with it, the cache donated."""
-  spec = spec_lib.resolve(_config(data=4), backend="tpu")
-  assert spec.model.decode_attention == "fused_if_compiles"
-  devices, _ = aot.devices("v5e-4")
+  chosen because it compiles for the target (Mosaic: `bank_decode.resolve`, asked once
+  by spec.resolve for the slice's chips), and the decode step and a prefill chunk
+  compile with it, the cache donated."""
+  spec = aot.spec_for(_config(data=4), "v5e-4")
+  assert spec.model.decode_attention == "fused"
+  devices, _ = topology.devices("v5e-4")
   dec = aot.Decoding(spec, aot.sharding.make_mesh(spec.mesh, devices))
   assert dec.model_spec.decode_attention == "fused" and dec.unit == 4
   fig, compiled = aot.compile_lowered(dec.decode_step(8))

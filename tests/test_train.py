@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bov_jax import bpb
-from bov_jax import data as data_lib
-from bov_jax import process
-from bov_jax import step as step_lib
+from bov_jax.data import batches as data_lib
+from bov_jax.evaluation import bpb
+from bov_jax.runtime import process
+from bov_jax.training import step as step_lib
 from tests.helpers import ROOT
 from tests.helpers import TINY_RUN
 from tests.helpers import init_model
@@ -210,7 +210,7 @@ def test_compile_cache_dir_keeps_the_compiled_step(tmp_path):
 
 
 def test_unusable_compile_cache_dir_is_named_and_skipped(monkeypatch, capsys, tmp_path):
-  from bov_jax import config as config_lib
+  from bov_jax.settings import config as config_lib
   monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
   session_cache = jax.config.jax_compilation_cache_dir  # conftest's, on in this process
   jax.config.update("jax_compilation_cache_dir", None)
@@ -361,7 +361,7 @@ def test_a_bad_corpus_file_is_named_before_or_during_training(tmp_path):
   """A shard without its footer exits 2 naming it, before anything is written; a row group
   that cannot be read mid-run stops the run at a checkpoint (exit 1) naming the file and
   the group, and the same command, once the file is mended, finishes as the run would have."""
-  from bov_jax import corpus
+  from bov_jax.data import corpus
   from tests.helpers import corrupt_row_group
   good, bad = tmp_path / "good", tmp_path / "bad"
   _parquet_corpus(good)

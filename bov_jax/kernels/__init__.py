@@ -1,6 +1,10 @@
-"""Backend-specific kernels behind one switch each: what the model asks for stays the same
-math on every backend; how it runs (Pallas on TPU/GPU, hand-written forms that XLA's CPU
-backend runs faster) is decided here."""
+"""Backend-specific kernels behind one switch each: what the model asks for stays the
+same math on every backend; how it runs (Pallas on TPU and GPU, XLA elsewhere) is
+decided here. Causal sliding-window attention (attention.py) and the bank layers'
+fused decode step (bank_decode*.py).
+
+Imports: parallel.
+"""
 
 import jax
 import numpy as np

@@ -35,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from bov_jax import sharding
-from bov_jax.config import SPLASH_BLOCK
+from bov_jax.parallel import sharding
 
 CAUSAL_BLOCK = 128  # query rows per block of `blocks`
+SPLASH_BLOCK = 128  # Splash attention's sequence blocks are multiples of 128 rows
 
 
 def splash_fits(seq_len: int) -> bool:
@@ -76,7 +76,7 @@ def _blocks(q_BTHE, k_BTKE, v_BTKE, window: int):
   (autodiff gives the backward). Head-major once for all blocks: sliced
   token-major, each block's matmuls would pay for their own layout copies."""
   T = q_BTHE.shape[1]
-  q = _query_heads(q_BTHE, k_BTKE.shape[2])
+  q = query_heads(q_BTHE, k_BTKE.shape[2])
   k, v = kv_rows(k_BTKE), kv_rows(v_BTKE)
   c = CAUSAL_BLOCK
   out = []
@@ -84,7 +84,7 @@ def _blocks(q_BTHE, k_BTKE, v_BTKE, window: int):
     lo = max(0, a - window) // c * c  # first key block the window reaches
     out.append(_attend_heads(q[:, :, :, a:a + c], k[:, lo:a + c], v[:, lo:a + c],
                              np.arange(a, a + c)[None], np.arange(lo, a + c)[None], window))
-  return _tokens_major(jnp.concatenate(out, axis=3))
+  return tokens_major(jnp.concatenate(out, axis=3))
 
 
 def attend(q_BTHE, k_NSE, v_NSE, qpos_BT, kpos_BS, window):
@@ -99,8 +99,8 @@ def attend(q_BTHE, k_NSE, v_NSE, qpos_BT, kpos_BS, window):
   (docs/performance.md, "Decoding").
   """
   B = q_BTHE.shape[0]
-  q_BKGTE = _query_heads(q_BTHE, k_NSE.shape[0] // B)
-  return _tokens_major(_attend_heads(q_BKGTE, k_NSE, v_NSE, qpos_BT, kpos_BS, window))
+  q_BKGTE = query_heads(q_BTHE, k_NSE.shape[0] // B)
+  return tokens_major(_attend_heads(q_BKGTE, k_NSE, v_NSE, qpos_BT, kpos_BS, window))
 
 
 def kv_rows(x_BSKE):
@@ -113,14 +113,14 @@ def kv_rows(x_BSKE):
   return x_BSKE.transpose(0, 2, 1, 3).reshape(B * K, S, E)
 
 
-def _query_heads(q_BTHE, K):
+def query_heads(q_BTHE, K):
   """[B, T, H, E] -> [B, K, G, T, E]: query head h = kv head h // G."""
   B, T, H, E = q_BTHE.shape
   return q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
 
 
-def _tokens_major(out_BKGTE):
-  """[B, K, G, T, E] -> [B, T, H * E], the inverse of `_query_heads`."""
+def tokens_major(out_BKGTE):
+  """[B, K, G, T, E] -> [B, T, H * E], the inverse of `query_heads`."""
   B, K, G, T, E = out_BKGTE.shape
   return out_BKGTE.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G * E)
 

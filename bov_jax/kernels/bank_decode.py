@@ -36,9 +36,9 @@ import jax.numpy as jnp
 from absl import logging
 from jax.sharding import PartitionSpec as P
 
-from bov_jax import sharding
 from bov_jax.kernels import bank_decode_gpu as gpu
 from bov_jax.kernels import bank_decode_tpu as tpu
+from bov_jax.parallel import sharding
 
 
 def fits(context: int, head_dim: int, platform: str = "tpu") -> bool:

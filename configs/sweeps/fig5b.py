@@ -1,7 +1,7 @@
 """Figure 5b of the paper: Bank of Values' components ablated at d12 (Section 5.3): a
 shared table, the coefficient fixed at 1, a table at every layer, the standard value kept
 (V + E_v[i]), against BoV itself. Points beyond the figure: fig5b_extra.py."""
-from bov_jax.sweep import from_presets
+from bov_jax.jobs.sweep import from_presets
 
 ROWS = [
     ("bov", "gpt_base_v_from_value_emb_learn"),

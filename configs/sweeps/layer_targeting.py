@@ -1,5 +1,5 @@
 """Bank of Values with different target layers at d12: a product over one axis."""
-from bov_jax.sweep import product
+from bov_jax.jobs.sweep import product
 
 LAYERS = ["last_third", "every_other", "second_half", "last_two_thirds", "all"]
 

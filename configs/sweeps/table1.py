@@ -1,5 +1,5 @@
 """Table 1 of the paper: the 13 value-vector variants at d12 (135M), 1.50e18 FLOPs each."""
-from bov_jax.sweep import from_presets
+from bov_jax.jobs.sweep import from_presets
 
 ROWS = [
     ("baseline", "gpt_base"),

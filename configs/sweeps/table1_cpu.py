@@ -4,7 +4,7 @@ The reproduction in docs/reproduction.md ran this sweep with --local on a 2-core
 """
 import os
 
-from bov_jax import sweep
+from bov_jax.jobs import sweep
 
 
 def get_sweep():

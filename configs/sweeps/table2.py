@@ -1,5 +1,5 @@
 """Table 2 of the paper: baseline, BoV, x0 W_v, V1 and V1 at every layer at d24 (780M)."""
-from bov_jax.sweep import from_presets
+from bov_jax.jobs.sweep import from_presets
 
 ROWS = [
     ("baseline", "gpt_base"),

@@ -2,7 +2,7 @@
 additive variant as its authors run it (V + E_v[i] with an input-dependent, bounded gate,
 every other layer). The `bov` point is table2.py's: with the same --workdir_root it is
 trained once."""
-from bov_jax.sweep import from_presets
+from bov_jax.jobs.sweep import from_presets
 
 ROWS = [
     ("bov", "gpt_base_v_from_value_emb_learn"),

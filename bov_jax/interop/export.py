@@ -1,0 +1,120 @@
+"""A run's weights as a Hugging Face style folder: safetensors, config.json, the run's
+config, the tokenizer and a model card.
+
+What `python -m bov_jax.export` writes. The folder (names in rundir.py):
+  model.safetensors            every parameter, named by its path in the model
+                               (`blocks.3.attn.wq`, `tables.layer_5`, `wte`, `lm_head`;
+                               docs/design.md), in the dtype the run stores it (`--dtype`
+                               casts floating tensors); above --max_shard_gib, files
+                               model-0000k-of-0000n.safetensors and
+                               model.safetensors.index.json (`weight_map`), as
+                               transformers writes them
+  config.json                  Hugging Face style: architectures, model_type, dims,
+                               vocabulary, windows, the value mode and its layers
+  run_config.json              the run's whole config (bov_jax reads it back)
+  tokenizer.pkl, token_bytes.npy   the authors' tokenizer files, as the run has them
+  tokenizer.json               the same tokenizer in the `tokenizers` library's format
+                               (tokenizers.Tokenizer.from_file encodes as bov_jax does)
+  README.md                    a model card: value mode, tokens trained, last metrics
+
+Tensors are fetched and written one at a time, so a sharded run is never gathered whole
+on one host.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+from etils import epath
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from bov_jax.data import tokenizer as tok_lib
+from bov_jax.model import gpt as model_lib
+from bov_jax.run import spec as spec_lib
+from bov_jax.store import checkpoint
+from bov_jax.store import rundir
+from bov_jax.store import safetensors
+
+
+def hf_config(m, dtype: str, step: int) -> dict:
+  """config.json in the Hugging Face style, from the resolved model spec `m`."""
+  mode = m.value
+  return {"architectures": ["BovGPTForCausalLM"], "model_type": "bov_gpt",
+          "hidden_size": m.n_embd, "num_hidden_layers": m.n_layer,
+          "num_attention_heads": m.n_head, "num_key_value_heads": m.n_kv_head,
+          "head_dim": m.head_dim, "vocab_size": m.vocab_size,
+          "max_position_embeddings": m.sequence_len, "window_sizes": list(m.windows),
+          "value_mode": {"preset": mode.preset, "source": mode.source,
+                         "combine": mode.combine, "coeff": mode.coeff,
+                         "layers": mode.layers, "shared_table": mode.shared_table},
+          "value_layers": list(m.target_layers), "torch_dtype": dtype, "step": step,
+          "bov_jax_version": _version()}
+
+
+def _version() -> str:
+  from importlib import metadata
+  try:
+    return metadata.version("bov_jax")
+  except metadata.PackageNotFoundError:
+    return "unknown"
+
+
+def model_card(m, metrics: list[dict], step: int) -> str:
+  """README.md: what the model is and how it did, from the run's metrics (the Hub reads
+  the front matter's library name and tags)."""
+  mode = m.value
+  last = metrics[-1] if metrics else {}
+  bpb = next((r["val_bpb"] for r in reversed(metrics) if "val_bpb" in r), None)
+  core = next((r["core"] for r in reversed(metrics) if "core" in r), None)
+  lines = ["---", "library_name: bov_jax", "tags: [bov_jax, bank-of-values]", "---", "",
+           f"# bov_jax model: {mode.preset or 'custom value mode'}", "",
+           "A GPT-style language model trained with bov_jax (Bank of Values), "
+           f"{m.n_layer} layers, width {m.n_embd}, vocabulary "
+           f"{m.vocab_size}, context {m.sequence_len}.", "",
+           f"- value mode: source {mode.source}, combine {mode.combine}, coefficient "
+           f"{mode.coeff}, layers {list(m.target_layers)}",
+           f"- checkpoint step: {step}; tokens trained: {last.get('tokens', 'unknown')}",
+           f"- final validation bits per byte: {bpb if bpb is not None else 'not measured'}",
+           f"- CORE: {core if core is not None else 'not measured'}", "",
+           "Files: `model.safetensors` (or its shards and index), `config.json`, "
+           "`run_config.json` (the run's whole config), `tokenizer.json` (the `tokenizers` "
+           "library's format) and `tokenizer.pkl` (the authors' tiktoken file). "
+           "Tensor names: bov_jax's docs/design.md.", ""]
+  return "\n".join(lines)
+
+
+def export(workdir: str, out: str, step: int | None = None, dtype: str | None = None,
+           max_shard_bytes: int = 5 * 2**30) -> dict:
+  """Writes the folder; returns {"out", "step", "files"}: every file written, the weights'
+  first."""
+  cfg = rundir.config_of(workdir)
+  model = spec_lib.model_of(cfg)
+  abstract = nnx.to_pure_dict(nnx.state(model_lib.abstract(model)))
+  restored = checkpoint.Checkpoints(workdir, async_save=False).restore(abstract, only=step)
+  if restored is None:
+    raise FileNotFoundError(f"no checkpoint under {rundir.checkpoints(workdir)}")
+  leaves = safetensors.tensor_names(restored.params)
+
+  def fetch(name):  # one tensor on the host at a time (all processes join each gather)
+    x = leaves[name]
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True)
+                      if jax.process_count() > 1 else x)
+
+  files = safetensors.write_weights(out, restored.params, dtype, max_shard_bytes, fetch)
+  root = epath.Path(out)
+  stored = str(np.dtype(leaves["lm_head"].dtype))
+  hf = hf_config(model, dtype or stored, int(restored.step))
+  (root / rundir.EXPORT_CONFIG).write_text(json.dumps(hf, indent=2))
+  (root / rundir.RUN_CONFIG).write_text(cfg.to_json(indent=2))
+  tok = tok_lib.load(rundir.tokenizer(workdir))
+  tok.save(str(root))
+  (root / rundir.EXPORT_TOKENIZER).write_text(json.dumps(tok_lib.hf_json(tok)))
+  records = rundir.read_metrics(workdir) or []
+  (root / rundir.MODEL_CARD).write_text(model_card(model, records, restored.step))
+  written = [str(root / n) for n in (rundir.EXPORT_CONFIG, rundir.RUN_CONFIG, tok_lib.PICKLE,
+                                     tok_lib.TOKEN_BYTES, rundir.EXPORT_TOKENIZER,
+                                     rundir.MODEL_CARD)]
+  return {"out": str(root), "step": int(restored.step), "files": files + written}

@@ -1,0 +1,260 @@
+"""The decoding cache, and one layer's attention of new tokens over it (the paper,
+Section 5: inference without a value cache for bank layers).
+
+The cache, per sequence of the batch, up to `context` positions:
+  layers  per stage of the model (spec.Stage), per layer position j of its block:
+          {"k": keys [R, B * K, S, E], "v": values, likewise}, R the stage's repeats:
+          a scanned stage carries its layers' caches stacked, and each layer
+          writes its new positions in place. Rows B * K: one per sequence and kv
+          head (`attention.kv_rows`, the layout attention's matmuls read). Values
+          only for layers that compute their own (`LayerValue.computes_v`): a bank
+          layer stores none and gathers gamma * E_i[ids] when it runs; a V1-replace
+          layer reads layer 0's values instead of storing them again
+  ids     the token ids, once for the whole model (only when a bank layer exists)
+  prev    the previous token's pre-smear embedding (the smear gate needs it)
+  pos     how many positions each sequence holds
+
+The model's one forward (`GPT.__call__` with a cache) calls `begin`, then `attend`
+in every layer, which takes its part of the cache as a value and returns it
+updated, then `end`. A decode step (one new token) of a sliding-window layer reads
+only its window of the cache (`_window`); a bank layer's can gather inside the
+attention kernel (`kernels/bank_decode.py`, `model.decode_attention`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bov_jax.kernels import attention
+from bov_jax.kernels import bank_decode
+from bov_jax.model import combine
+from bov_jax.parallel import sharding
+from bov_jax.settings import values
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSettings:
+  """What `attend` needs to know of a layer (static)."""
+  lv: values.LayerValue
+  window: int
+  n_kv_head: int
+  group: int               # query heads per kv head
+  head_dim: int
+  table_lookup: str
+  tables_on_host: bool
+  decode_attention: str    # xla | fused (model.decode_attention, resolved for the target)
+  decode_kernel: str       # tpu | gpu
+  decode_interpret: bool
+
+
+def layer_settings(spec, lv, window: int) -> LayerSettings:
+  return LayerSettings(lv, window, spec.n_kv_head, spec.n_head // spec.n_kv_head,
+                       spec.head_dim, spec.table_lookup, spec.tables_on_host, spec.decode_attention,
+                       spec.decode_kernel, spec.decode_interpret)
+
+
+class LayerCache(NamedTuple):
+  """One layer's view of the cache: its stage's entry for the layer's block position
+  (stacked over repeats), the repeat r it is, and what every layer reads."""
+  entry: dict           # {"k": [R, N, S, E], "v": ... where the layer keeps values}
+  r: object             # repeat index (int or traced)
+  whole: dict           # the cache: "pos", "ids"
+  v1_entry: dict | None  # layer 0's entry (V1-replace layers read its values)
+
+
+def init(model, batch: int, context: int) -> dict:
+  """An empty cache for `batch` sequences of up to `context` positions (of the model's
+  shapes: a model or its abstract structure)."""
+  spec, dtype = model.spec, model.compute_dtype
+  K, E = spec.n_kv_head, spec.head_dim
+  rows = lambda R: jnp.zeros((R, batch * K, context, E), dtype)
+  layers = []
+  for stage in spec.stages:
+    entries = []
+    for j in range(stage.period):
+      lv = spec.layers[stage.start + j]
+      entries.append({"k": rows(stage.repeats), **({"v": rows(stage.repeats)}
+                                                   if lv.computes_v else {})})
+    layers.append(entries)
+  cache = {"layers": layers, "prev": jnp.zeros((batch, spec.n_embd), dtype),
+           "pos": jnp.zeros((batch,), jnp.int32)}
+  if any(lv.is_bank for lv in spec.layers):
+    cache["ids"] = jnp.zeros((batch, context), jnp.int32)
+  return cache
+
+
+def by_layer(spec, cache: dict) -> list[dict]:
+  """Layer i's part of the cache, {"k": [B * K, S, E], "v": ... where it keeps values},
+  for i in order (for reading a cache; the model reads its stages whole)."""
+  out = [None] * spec.n_layer
+  for stage, entries in zip(spec.stages, cache["layers"]):
+    for j, entry in enumerate(entries):
+      for r, i in enumerate(stage.layers(j)):
+        out[i] = {name: buf[r] for name, buf in entry.items()}
+  return out
+
+
+def logical_axes(cache: dict) -> dict:
+  """The cache's logical axis names (sharding.RULES), a tuple per leaf: every buffer is
+  split by sequence (its rows b * K + h, b-major, split as the batch is)."""
+  def axes(path, x):
+    if path[0].key == "layers":
+      return (None, "batch", None, None)
+    return ("batch",) + (None,) * (x.ndim - 1)
+  return jax.tree_util.tree_map_with_path(axes, cache)
+
+
+def nbytes(cache: dict) -> int:
+  return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(cache))
+
+
+def _write(buf, new, start):
+  """buf[n, start[n]:start[n]+T] = new[n] for every row n."""
+  return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0))(
+      buf, new, start)
+
+
+def _write_layer(buf_RNSE, new_NTE, r, start_N):
+  """buf[r, n, start[n]:start[n]+T] = new[n]: one scatter into the stacked buffer, so a
+  scanned stage's cache is updated where it lies."""
+  N, T = new_NTE.shape[:2]
+  pos = start_N[:, None] + jnp.arange(T)[None, :]
+  return buf_RNSE.at[r, jnp.arange(N)[:, None], pos].set(new_NTE, unique_indices=True)
+
+
+def begin(cache, idx_BT):
+  """(the cache holding the new ids, their positions [B, T], the pre-smear embedding
+  before each sequence's first new token or 0 where there is none)."""
+  start = cache["pos"]
+  if "ids" in cache:
+    cache = dict(cache, ids=_write(cache["ids"], idx_BT.astype(jnp.int32), start))
+  pos = start[:, None] + jnp.arange(idx_BT.shape[1])[None, :]
+  return cache, pos, jnp.where((start > 0)[:, None], cache["prev"], 0)
+
+
+def end(cache, last_pre_BD, T: int):
+  """The cache after all layers ran T new tokens (last_pre: the last one's pre-smear
+  embedding)."""
+  return dict(cache, prev=last_pre_BD, pos=cache["pos"] + T)
+
+
+def _values(ls: LayerSettings, c: LayerCache, table, coeffs, rows, seqs):
+  """Values of the cached positions for a layer (bank and V1 layers rebuild them).
+  `rows` and `seqs` cut a [B * K, S, E] buffer and the [B, S] ids to the positions
+  attention reads (all of them, or a sliding window's: `_window`)."""
+  lv = ls.lv
+  if lv.computes_v:
+    return rows(c.entry["v"][c.r])
+  if lv.source == "v1":
+    return combine.combine(lv, None, rows(c.v1_entry["v"][0]), coeffs)
+  ids = seqs(c.whole["ids"])
+  B, S = ids.shape
+  vals = sharding.table_lookup(table, ids, ls.table_lookup, ls.tables_on_host)
+  vals = vals.astype(c.entry["k"].dtype).reshape(B, S, ls.n_kv_head, ls.head_dim)
+  # XLA writes the gathered rows straight into the layout attention reads (the
+  # transpose folds into the gather).
+  return combine.combine(lv, None, attention.kv_rows(vals), coeffs)
+
+
+def _window(window: int, start_B, S: int, K: int):
+  """For one decode step of a sliding-window layer: (rows, seqs, kpos_BW) cutting
+  the cache to the W = window + 1 positions each query can see, or None where the
+  window covers more than half the cache (cutting copies W positions, so it pays
+  only when it skips more than it copies)."""
+  W = window + 1
+  if 2 * W > S:
+    return None
+  lo_B = jnp.clip(start_B - window, 0, S - W)  # the W positions hold start - window .. start
+  lo_N = jnp.repeat(lo_B, K)
+  cut = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, W, axis=0))
+  return (lambda x: cut(x, lo_N), lambda x: cut(x, lo_B),
+          lo_B[:, None] + jnp.arange(W)[None, :])
+
+
+def fused_bank(ls: LayerSettings, batch: int, context: int, table_shape) -> bool:
+  """Whether this layer's decode step runs `bank_decode`'s kernel (a bank layer whose
+  gather it fuses; `model.decode_attention`)."""
+  if not ls.lv.is_bank:
+    return False
+  return bank_decode.kernel_for(ls.decode_attention, context, ls.head_dim, ls.tables_on_host,
+                                batch, table_shape, platform=ls.decode_kernel) == "fused"
+
+
+def attend(ls: LayerSettings, q_BTHE, k_BTKE, v_BTKE, c: LayerCache, table=None,
+           coeffs=None):
+  """A layer's attention [B, T, H * E] of T new positions per sequence over the cache,
+  after writing their keys (and values, where the layer keeps them). Returns
+  (output, the layer's stage entry updated)."""
+  K = ls.n_kv_head
+  B, T = q_BTHE.shape[:2]
+  coeffs = coeffs or {}
+  start = c.whole["pos"]
+  start_N = jnp.repeat(start, K)  # each kv-head row's sequence
+  entry = dict(c.entry, k=_write_layer(c.entry["k"], attention.kv_rows(k_BTKE), c.r, start_N))
+  if ls.lv.computes_v:
+    entry["v"] = _write_layer(entry["v"], attention.kv_rows(v_BTKE), c.r, start_N)
+  c = c._replace(entry=entry)
+  keys = entry["k"][c.r]
+  S = keys.shape[1]
+  if T == 1 and fused_bank(ls, B, S, None if table is None else table.shape):
+    y = bank_decode.attend(q_BTHE, keys, c.whole["ids"], table, start, ls.window,
+                           coeffs.get("gamma"), kernel=ls.decode_kernel,
+                           interpret=ls.decode_interpret)
+    return y, entry
+  cut = _window(ls.window, start, S, K) if T == 1 else None
+  pos = start[:, None] + jnp.arange(T)[None, :]
+  if ls.lv.is_bank and cut is None and S % BANK_BLOCK == 0 and S > BANK_BLOCK:
+    return bank_in_blocks(ls, q_BTHE, keys, c.whole["ids"], table, coeffs, pos,
+                          BANK_BLOCK), entry
+  rows, seqs, kpos = cut or (lambda x: x, lambda x: x, jnp.broadcast_to(jnp.arange(S), (B, S)))
+  y = attention.attend(q_BTHE, rows(keys), _values(ls, c, table, coeffs, rows, seqs),
+                       pos, kpos, ls.window)
+  return y, entry
+
+
+BANK_BLOCK = 512  # cached positions a bank layer gathers at a time (XLA's path)
+
+
+def bank_in_blocks(ls: LayerSettings, q_BTHE, k_NSE, ids_BS, table, coeffs, qpos_BT,
+                   block: int):
+  """A bank layer's attention over its whole cache a block of positions at a time, its
+  values gathered block by block under a lax.scan with an online softmax (flash
+  decoding): only one block's rows ever exist, not a value buffer as large as the
+  value cache the layer saves (which prefill beside a full cache could not afford)."""
+  B, T, H, E = q_BTHE.shape
+  N, S, _ = k_NSE.shape
+  K = N // B
+  q_NME = attention.query_heads(q_BTHE, K).reshape(N, (H // K) * T, E)
+
+  def body(carry, j):
+    m, l, acc = carry
+    keys = jax.lax.dynamic_slice_in_dim(k_NSE, j * block, block, axis=1)
+    ids = jax.lax.dynamic_slice_in_dim(ids_BS, j * block, block, axis=1)
+    rows = sharding.table_lookup(table, ids, ls.table_lookup,
+                                ls.tables_on_host).astype(k_NSE.dtype)
+    vals = combine.combine(ls.lv, None, attention.kv_rows(rows.reshape(B, block, K, E)), coeffs)
+    scores = jnp.einsum("nme,nse->nms", q_NME, keys,
+                        preferred_element_type=jnp.float32) / np.sqrt(E)
+    delta = qpos_BT[:, :, None] - (j * block + jnp.arange(block))[None, None, :]  # [B, T, s]
+    visible = (delta >= 0) & (delta <= ls.window)
+    visible = jnp.broadcast_to(visible[:, None, None], (B, K, H // K, T, block))
+    scores = jnp.where(visible.reshape(N, -1, block), scores, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
+    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with nothing visible yet
+    p = jnp.exp(scores - shift)
+    alpha = jnp.exp(m - shift)
+    acc = alpha * acc + jnp.einsum("nms,nse->nme", p.astype(vals.dtype), vals,
+                                   preferred_element_type=jnp.float32)
+    return (m_new, alpha * l + jnp.sum(p, axis=-1, keepdims=True), acc), None
+
+  M = q_NME.shape[1]
+  init = (jnp.full((N, M, 1), -jnp.inf, jnp.float32), jnp.zeros((N, M, 1), jnp.float32),
+          jnp.zeros((N, M, E), jnp.float32))
+  (_, l, acc), _ = jax.lax.scan(body, init, jnp.arange(S // block))
+  out = (acc / l).astype(q_BTHE.dtype).reshape(B, K, H // K, T, E)
+  return attention.tokens_major(out)

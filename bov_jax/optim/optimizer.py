@@ -1,0 +1,358 @@
+"""The paper's optimizer (Table 6; the reference's optim.py): Muon for block matrices,
+AdamW groups for the rest.
+
+optax's `contrib.muon` is a different Muon (no variance reduction, other
+coefficients, no cautious weight decay), so the reference's is written here as
+an optax GradientTransformation; the groups are combined with `optax.partition`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from bov_jax.parallel import sharding
+
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+MUON_BETA2 = 0.9
+
+# group -> (betas, weight decay); learning rates come from `hyperparams`.
+ADAM_GROUPS = {
+    "unembed": ((0.8, 0.96), 0.01),
+    "embed": ((0.8, 0.995), 0.001),
+    "smear": ((0.8, 0.95), 0.0),
+    "alpha": ((0.8, 0.95), 0.05),
+    "beta_gamma": ((0.96, 0.95), 0.0),
+    "table": ((0.8, 0.995), 0.01),
+}
+
+
+# -- schedules (step `it` from 0; jnp so they trace) ----------------------------
+
+def lr_multiplier(it, n, warmup=40, warmdown_ratio=0.65, final_frac=0.05):
+  # a host integer (the loop's log line) is computed by numpy: no device op to compile
+  xp = np if isinstance(it, (int, np.integer)) else jnp
+  w = round(warmdown_ratio * n)
+  it = xp.asarray(it, xp.float32)
+  p = (n - it) / max(w, 1)
+  return xp.where(it < warmup, (it + 1) / warmup,
+                  xp.where(it <= n - w, 1.0, p + (1 - p) * final_frac))
+
+
+def muon_momentum(it, n, warmdown_ratio=0.65):
+  """0.85 -> 0.97 over the first 400 steps, then 0.97 -> 0.90 over the warmdown. The
+  reference tests the warmup first, so in a run shorter than ~1,150 steps, where the two
+  overlap, the warmup wins."""
+  w = round(warmdown_ratio * n)
+  it = jnp.asarray(it, jnp.float32)
+  frac = (it - (n - w)) / max(w, 1)
+  down = jnp.where(it >= n - w, 0.97 + (0.90 - 0.97) * frac, 0.97)
+  return jnp.where(it < 400, 0.85 + (0.97 - 0.85) * it / 400.0, down)
+
+
+def muon_weight_decay(it, n, wd):
+  return wd * 0.5 * (1 + jnp.cos(jnp.pi * jnp.asarray(it, jnp.float32) / n))
+
+
+# -- Muon ------------------------------------------------------------------------
+
+class MuonState(NamedTuple):
+  count: jnp.ndarray
+  momentum: Any
+  second: Any
+
+
+def polar_express(u, dtype=jnp.float32, gram: bool = True):
+  """Approximate orthogonalisation (polar factor) of a matrix, 5 Polar Express steps,
+  returned as float32.
+
+  dtype: X's dtype between steps and the matmul operands' (the reference: bfloat16).
+  Products are accumulated and combined in float32: at least the reference's
+  precision (it rounds every product to bfloat16), and XLA's CPU backend runs
+  bf16 x bf16 -> f32 matmuls at 250-310 GFLOP/s here, against ~170 for f32 and ~150
+  for bf16 outputs.
+  gram: matrices of aspect >= 1.5 take the Gram-space form (fewer FLOPs;
+  `_polar_express_gram`; its accuracy: docs/design.md, "Optimizer").
+  """
+  x = u.astype(jnp.float32)
+  x = (x / (jnp.linalg.norm(x) * 1.01 + 1e-6)).astype(dtype)
+  mm = lambda a, b: jnp.matmul(a.astype(dtype), b.astype(dtype),
+                               preferred_element_type=jnp.float32)
+  tall = x.shape[0] > x.shape[1]
+  small, large = sorted(x.shape)
+  if gram and 2 * large >= 3 * small:
+    return _polar_express_gram(x, tall, mm)
+  # Iterate on the smaller Gram matrix. For a tall matrix this is the transposed
+  # iteration written without transposes (X^T X is symmetric): transposing X
+  # and back cost XLA's CPU backend a layout copy per step, ~10% of the train step.
+  for a, b, c in POLAR_EXPRESS:
+    if tall:
+      A = mm(x.T, x)
+      x = a * x.astype(jnp.float32) + mm(x, b * A + c * mm(A, A))
+    else:
+      A = mm(x, x.T)
+      x = a * x.astype(jnp.float32) + mm(b * A + c * mm(A, A), x)
+    x = x.astype(dtype)
+  return x.astype(jnp.float32)
+
+
+def _polar_express_gram(x, tall, mm):
+  """The same five steps computed in the small Gram space, in float32; only the two
+  products with X (`mm`, X's dtype for operands) see X's precision.
+
+  Each step is X <- X p(A) with A = X^T X (tall X; mirrored for wide) and
+  p(A) = a + b A + c A^2. Everything is a polynomial in G = X0^T X0, so these
+  commute: X_k = X0 Q_k with Q_{k+1} = Q_k p(A_k), and A_{k+1} = p(A_k) A_k p(A_k).
+  For an s x L matrix that is 17 s^3 matmuls plus two s^2 L ones instead of
+  five times (two s^2 L + one s^3): 44% fewer FLOPs at the MLP's 4:1. The Gram
+  space is always float32, where squaring the condition number is harmless.
+  """
+  gram = mm(x.T, x) if tall else mm(x, x.T)
+  eye = jnp.eye(gram.shape[0], dtype=gram.dtype)
+  q = None
+  for i, (a, b, c) in enumerate(POLAR_EXPRESS):
+    p = a * eye + b * gram + c * gram @ gram
+    q = p if q is None else q @ p
+    if i + 1 < len(POLAR_EXPRESS):
+      gram = p @ gram @ p
+  return mm(x, q) if tall else mm(q, x)
+
+
+def _reduce_axis(shape) -> int:
+  """Our weights are [fan_in, fan_out]. Variance is averaged over the smaller
+  dimension; for a square matrix over fan_in, giving one entry per output unit."""
+  fan_in, fan_out = shape
+  return 0 if fan_out >= fan_in else 1
+
+
+def _second_shape(shape):
+  axis = _reduce_axis(shape)
+  return (1, shape[1]) if axis == 0 else (shape[0], 1)
+
+
+def muon_direction(g, buf, buf2, momentum, polar_dtype=jnp.float32, polar_gram=True):
+  """One matrix's Muon direction and new buffers: momentum (no bias correction), Polar
+  Express, then variance reduction rescaled to the same Frobenius norm."""
+  u, buf = muon_momentum_step(g, buf, momentum)
+  x, buf2 = orthogonalise(u, buf2, polar_dtype, polar_gram)
+  return x, buf, buf2
+
+
+def muon_momentum_step(g, buf, momentum):
+  """(Nesterov-style input u, new momentum buffer), elementwise."""
+  g = g.astype(jnp.float32)
+  buf = momentum * buf + (1 - momentum) * g
+  return (1 - momentum) * g + momentum * buf, buf
+
+
+def orthogonalise(u, buf2, polar_dtype=jnp.float32, polar_gram=True):
+  """Polar Express of u, then variance reduction with the second-moment buffer buf2,
+  rescaled to the same Frobenius norm: (direction, new buf2)."""
+  x = polar_express(u, polar_dtype, polar_gram)
+  axis = _reduce_axis(x.shape)
+  n_red = x.shape[axis]
+  v = jnp.mean(x * x, axis=axis, keepdims=True)
+  buf2 = MUON_BETA2 * buf2 + (1 - MUON_BETA2) * v
+  step = jax.lax.rsqrt(jnp.maximum(buf2, 1e-10))
+  norm = jnp.sqrt(jnp.sum(v) * n_red)
+  new_norm = jnp.sqrt(jnp.sum(v * n_red * step * step))
+  x = x * step * (norm / jnp.maximum(new_norm, 1e-10))
+  return x, buf2
+
+
+def muon(learning_rate, momentum, weight_decay, batched: bool = True,
+         polar_dtype=jnp.float32, polar_gram: bool = True,
+         update_dtype=jnp.float32, layout=None) -> optax.GradientTransformation:
+  """The reference's Muon. learning_rate, momentum, weight_decay: step -> value.
+
+  batched: matrices of one shape go through Polar Express together, one
+  batched matmul per step (optim.muon_batched).
+  polar_dtype, polar_gram: see `polar_express`.
+  update_dtype: the final update lr*X + lr*wd*p*mask is computed in this dtype (the
+  reference: bfloat16 under bfloat16 compute, X, lr, wd and p cast first).
+  layout: a `state_layout.UpdateLayout` (optim.shard_optimizer). On a mesh of several
+  devices the matrices of one shape and layout are then stacked, the stack padded with
+  zero matrices to a multiple of the devices and split over them
+  (`sharding.RULES["stack"]`): each device orthogonalises and updates whole matrices of
+  its own, none repeats another's, and the updates go back to the parameters' layout
+  in one collective per stack (nanochat's distributed Muon).
+  """
+  direction = functools.partial(muon_direction, polar_dtype=polar_dtype, polar_gram=polar_gram)
+  ortho = functools.partial(orthogonalise, polar_dtype=polar_dtype, polar_gram=polar_gram)
+
+  def apply(x, p, lr_eff, wd):
+    """The update of one matrix from its direction x (cautious weight decay)."""
+    pf = p.astype(jnp.float32)
+    mask = (x * pf >= 0)  # cautious: decay only where it agrees
+    lr_u, wd_u = (jnp.asarray(v, update_dtype) for v in (lr_eff, wd))
+    x_u, p_u = x.astype(update_dtype), pf.astype(update_dtype)
+    u = lr_u * x_u + lr_u * wd_u * p_u * mask.astype(update_dtype)
+    return (-u).astype(p.dtype)
+
+  def split(paths, gs, bufs, bufs2, ps, lr, m, wd, n_shards):
+    """Every matrix's update and buffers, the work split over the devices: the matrices
+    of one shape and layout stacked (a tall one transposed: its direction is the
+    transpose of its transpose's, variance reduction included, so each MLP's two
+    matrices share a stack and pad it once), the stack split over the devices."""
+    n = len(gs)
+    upd, new_bufs, new_bufs2 = [None] * n, [None] * n, [None] * n
+    groups = {}
+    for k, g in enumerate(gs):
+      tall = g.shape[0] > g.shape[1]
+      wide = lambda spec: P(*reversed(tuple(spec) + (None,) * (2 - len(spec)))) if tall else spec
+      p_spec, u_spec = map(wide, layout.specs(paths[k]))
+      groups.setdefault((g.shape[::-1] if tall else g.shape, p_spec), []).append((k, tall, u_spec))
+    for (_, p_spec), members in groups.items():
+      u_specs = {u_spec for _, _, u_spec in members}  # where the momentum step leaves them
+      u_spec = u_specs.pop() if len(u_specs) == 1 else None
+      members = [(k, tall) for k, tall, _ in members]
+      pad = -len(members) % n_shards
+      t = lambda x, tall: x.T if tall else x
+
+      def stack(xs, spec=None):  # stacked where each matrix is, then split by matrices
+        xs = jnp.stack(xs + [jnp.zeros_like(xs[0])] * pad)
+        if spec is not None:
+          xs = jax.lax.with_sharding_constraint(xs, P(None, *spec))
+        return sharding.constrain(xs, ("stack", None, None))
+
+      us = []
+      for k, tall in members:
+        u, new_bufs[k] = muon_momentum_step(gs[k], bufs[k], m)
+        us.append(t(u, tall))
+      x, b2 = jax.vmap(ortho)(stack(us, u_spec), stack([t(bufs2[k], tl) for k, tl in members]))
+      lr_eff = jnp.stack([lr * math.sqrt(max(1.0, gs[k].shape[1] / gs[k].shape[0]))
+                          for k, _ in members] + [lr] * pad)
+      u = jax.vmap(apply, in_axes=(0, 0, 0, None))(
+          x, stack([t(ps[k], tl) for k, tl in members], p_spec), lr_eff, wd)
+      u = jax.lax.with_sharding_constraint(u, P(None, *p_spec))
+      for j, (k, tall) in enumerate(members):
+        upd[k], new_bufs2[k] = t(u[j], tall), t(b2[j], tall)
+    return upd, new_bufs, new_bufs2
+
+  def local(gs, bufs, bufs2, ps, lr, m, wd):
+    """Every matrix's update and buffers on this device (stacked by shape when batched)."""
+    groups = {}
+    for k, g in enumerate(gs):
+      groups.setdefault(tuple(g.shape) if batched else k, []).append(k)
+    upd, new_bufs, new_bufs2 = [None] * len(gs), [None] * len(gs), [None] * len(gs)
+    for ks in groups.values():
+      fan_in, fan_out = gs[ks[0]].shape
+      lr_eff = lr * math.sqrt(max(1.0, fan_out / fan_in))
+      if len(ks) == 1:  # no stacking (a copy) for a matrix on its own
+        outs = [direction(gs[ks[0]], bufs[ks[0]], bufs2[ks[0]], m)]
+      else:
+        stacked = jax.vmap(direction, in_axes=(0, 0, 0, None))(
+            jnp.stack([gs[k] for k in ks]), jnp.stack([bufs[k] for k in ks]),
+            jnp.stack([bufs2[k] for k in ks]), m)
+        outs = [tuple(a[j] for a in stacked) for j in range(len(ks))]
+      for k, (x, b, b2) in zip(ks, outs):
+        new_bufs[k], new_bufs2[k] = b, b2
+        upd[k] = apply(x, ps[k], lr_eff, wd)
+    return upd, new_bufs, new_bufs2
+
+  def init(params):
+    return MuonState(
+        count=jnp.zeros([], jnp.int32),
+        momentum=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+        second=jax.tree.map(lambda p: jnp.zeros(_second_shape(p.shape), jnp.float32), params))
+
+  def update(grads, state, params):
+    if params is None:
+      raise ValueError("muon needs params (cautious weight decay)")
+    it = state.count
+    lr, m, wd = learning_rate(it), momentum(it), weight_decay(it)
+    paths_g, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    g_leaves = [g for _, g in paths_g]
+    b_leaves = treedef.flatten_up_to(state.momentum)
+    s_leaves = treedef.flatten_up_to(state.second)
+    p_leaves = treedef.flatten_up_to(params)
+    n_shards = sharding.shards("stack") if layout is not None else 1
+    if n_shards > 1:
+      upd, bufs, bufs2 = split([path for path, _ in paths_g], g_leaves, b_leaves, s_leaves,
+                               p_leaves, lr, m, wd, n_shards)
+    else:
+      upd, bufs, bufs2 = local(g_leaves, b_leaves, s_leaves, p_leaves, lr, m, wd)
+    unflat = lambda xs: jax.tree.unflatten(treedef, xs)
+    return unflat(upd), MuonState(it + 1, unflat(bufs), unflat(bufs2))
+
+  return optax.GradientTransformation(init, update)
+
+
+# -- groups ------------------------------------------------------------------------
+
+def label(path: tuple[str, ...]) -> str:
+  """The optimizer group of a parameter, from its path in the model."""
+  head = path[0]
+  if head == "lm_head":
+    return "unembed"
+  if head == "wte":
+    return "embed"
+  if head in ("smear_w", "smear_lambda"):
+    return "smear"
+  if head == "tables":
+    return "table"
+  if "coeffs" in path:
+    return "alpha" if path[-1] == "alpha" else "beta_gamma"
+  if head == "blocks":
+    return "muon"
+  raise ValueError(f"no optimizer group for parameter {'/'.join(path)}")
+
+
+def labels(params):
+  def f(path, _):
+    return label(tuple(str(k) for k in sharding.path_keys(path)))
+  return jax.tree_util.tree_map_with_path(f, params)
+
+
+def hyperparams(o, n_embd: int, batch_tokens: int, scaling_params: int,
+                ref_scaling_params: int) -> dict:
+  """Effective learning rates and Muon weight decay (the reference's scaling): every
+  base LR times sqrt(batch_tokens / 2^19), embedding-like ones also by (d/768)^-0.5,
+  and the weight decay by D_ref/D (parameters of the dense layout, this run's against d12)."""
+  dmodel_scale = (n_embd / 768) ** -0.5
+  batch_scale = math.sqrt(batch_tokens / 2 ** 19)
+  return {
+      "unembed": o.unembedding_lr * dmodel_scale * batch_scale,
+      "embed": o.embedding_lr * dmodel_scale * batch_scale,
+      "smear": 0.2,  # fixed in the reference, not derived from a base LR
+      "alpha": o.scalar_lr * 0.01 * batch_scale,
+      "beta_gamma": o.scalar_lr * batch_scale,
+      "table": o.embedding_lr * dmodel_scale * 0.5 * batch_scale,
+      "muon": o.matrix_lr * batch_scale,
+      "muon_weight_decay": o.weight_decay * batch_scale * ref_scaling_params / scaling_params,
+  }
+
+
+def make(o, num_iterations: int, hp: dict | None = None,
+         layout=None) -> optax.GradientTransformation:
+  """The whole optimizer for an OptimSpec `o`, with `hp` from `hyperparams` (default: the
+  effective values resolved into `o`, `o.hyperparams`); `layout`
+  (a `state_layout.UpdateLayout`) splits Muon's work over the mesh (optim.shard_optimizer)."""
+  hp = o.hyperparams if hp is None else hp
+  mult = lambda it: lr_multiplier(it, num_iterations, o.warmup_steps, o.warmdown_ratio,
+                                  o.final_lr_frac)
+  groups = {}
+  for name, (betas, wd) in ADAM_GROUPS.items():
+    groups[name] = optax.adamw(learning_rate=lambda it, lr=hp[name]: lr * mult(it),
+                               b1=betas[0], b2=betas[1], eps=1e-10, weight_decay=wd)
+  groups["muon"] = muon(
+      learning_rate=lambda it: hp["muon"] * mult(it),
+      momentum=lambda it: muon_momentum(it, num_iterations, o.warmdown_ratio),
+      weight_decay=lambda it: muon_weight_decay(it, num_iterations, hp["muon_weight_decay"]),
+      batched=o.muon_batched, polar_dtype=jnp.dtype(o.polar_dtype), polar_gram=o.polar_gram,
+      update_dtype=jnp.dtype(o.update_dtype), layout=layout)
+  return optax.partition(groups, labels)

@@ -1,0 +1,172 @@
+"""The training state and the pure steps: parameters and optimizer state created
+sharded, the train step (gradients averaged over micro-batches in a `lax.scan`), the
+eval step. `build` puts them together once for a run; the loop (train.py), the
+compiler (aot.py) and the benchmarks call it and nothing below it.
+
+Parameters and optimizer state are plain pytrees (the model's `nnx.split` state as a
+pure dict), so one `jax.jit` compiles the whole step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from bov_jax.model import params as params_lib
+from bov_jax.optim import optimizer as optim
+from bov_jax.parallel import sharding
+from bov_jax.parallel import state_layout
+from bov_jax.run.plan import BatchLayout
+from bov_jax.run.spec import RunSpec
+
+
+def make_train_step(graphdef, tx, update_specs=None):
+  """step(params, opt_state, inputs [A, B, T], targets [A, B, T]) -> new state, metrics.
+
+  Gradients are averaged over the A micro-batches with a lax.scan, so one compiled
+  step reaches train.batch_tokens whatever fits in memory. Over data replicas
+  (mesh.data > 1, the mesh set when the step is traced) each replica accumulates its
+  own rows' gradients and the replicas' sums are reduced once, after the loop (MaxText's
+  utils/gradient_accumulation.py): into the shares of `update_specs` (a PartitionSpec
+  per parameter, `state_layout.update_specs`), where the optimizer then updates each
+  replica's share and the new parameters are gathered; without it, all-reduced whole.
+  """
+
+  def loss_fn(params, x, y, weight=None):
+    loss = nnx.merge(graphdef, params).loss(x, y)
+    return loss if weight is None else weight * loss
+
+  def accumulate(params, inputs, targets, weigh=None):
+    """(mean loss, mean gradients) over the micro-batches; `weigh(y)` scales a
+    micro-batch's loss (its share of the targets of all replicas)."""
+    grad_fn = jax.value_and_grad(loss_fn)
+    w = (lambda y: None) if weigh is None else weigh
+
+    def micro(acc, xy):
+      loss, grads = grad_fn(params, *xy, w(xy[1]))
+      return jax.tree.map(jnp.add, acc, (loss, grads)), None
+
+    n = inputs.shape[0]
+    if n == 1:  # no accumulation loop to pay for
+      return grad_fn(params, inputs[0], targets[0], w(targets[0])), n
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    return jax.lax.scan(micro, zeros, (inputs, targets))[0], n
+
+  def data_parallel(params, inputs, targets, mesh):
+    """accumulate() inside a shard_map over `data`: each replica's gradients stay its
+    own through the loop, then one reduce-scatter (or all-reduce) over the replicas."""
+    specs = (jax.tree.map(lambda _: P(), params) if update_specs is None else update_specs)
+    dims = jax.tree.map(state_layout.data_dim, specs, is_leaf=lambda x: isinstance(x, P))
+
+    def reduce(g, dim):
+      if dim < 0:
+        return jax.lax.psum(g, "data")
+      return jax.lax.psum_scatter(g, "data", scatter_dimension=dim, tiled=True)
+
+    def local(params, inputs, targets):
+      # a micro-batch's loss counts by its share of every replica's targets
+      weigh = lambda y: jnp.sum(y >= 0) / jnp.maximum(jax.lax.psum(jnp.sum(y >= 0), "data"), 1)
+      (loss, grads), n = accumulate(params, inputs, targets, weigh)
+      return jax.lax.psum(loss, "data") / n, jax.tree.map(lambda g, d: reduce(g, d) / n,
+                                                          grads, dims)
+
+    out_specs = jax.tree.map(lambda d: P() if d < 0 else P(*([None] * d), "data"), dims)
+    rows = P(None, "data")
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), rows, rows),
+                         out_specs=(P(), out_specs), axis_names={"data"},
+                         check_vma=False)(params, inputs, targets)
+
+  update = make_update(tx)
+
+  def step(params, opt_state, inputs, targets):
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.shape["data"] > 1:
+      loss, grads = data_parallel(params, inputs, targets, mesh)
+    else:
+      (loss, grads), n = accumulate(params, inputs, targets)
+      if n > 1:
+        loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
+    params, opt_state = update(grads, opt_state, params)
+    return params, opt_state, {"train_loss": loss}
+
+  return step
+
+
+def make_update(tx):
+  """update(mean gradients, opt_state, params) -> (params, opt_state): the optimizer's
+  part of the train step."""
+
+  def update(grads, opt_state, params):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return update
+
+
+def make_eval_step(graphdef):
+  """(params, inputs, targets, token_bytes) -> (nats over byte-bearing targets, bytes)."""
+
+  def eval_step(params, inputs, targets, token_bytes):
+    nll = nnx.merge(graphdef, params).token_losses(inputs, targets)
+    nb = token_bytes[jnp.maximum(targets, 0)] * (targets >= 0)
+    return jnp.sum(jnp.where(nb > 0, nll, 0.0)), jnp.sum(nb).astype(jnp.float32)
+
+  return eval_step
+
+
+@dataclasses.dataclass
+class TrainSetup:
+  """A run's jitted steps and its initial state (or its abstract shape, for a resume),
+  built once (`build`); the loop that runs them is train.py's."""
+  graphdef: object
+  tx: object
+  params: object
+  opt_state: object
+  param_shardings: object
+  opt_shardings: object
+  grad_shardings: object  # where the train step's mean gradients reach the optimizer
+  layout: BatchLayout
+  train_step: object  # jitted (params, opt_state, inputs, targets); donates the state
+  eval_step: object   # jitted (params, inputs, targets, token_bytes)
+  update_step: object  # jitted (grads, opt_state, params): the train step's optimizer part
+
+
+def build(spec: RunSpec, mesh, num_iterations: int, key=None, init: bool = True) -> TrainSetup:
+  """Parameters and optimizer state on the mesh, and the jitted train and eval steps.
+  With init=False (a resume: a checkpoint will replace them) the state is abstract,
+  shapes and shardings only, so nothing is compiled, run or allocated twice."""
+  if mesh.size != spec.n_devices:
+    raise ValueError(f"the run spec is resolved for {spec.n_devices} devices, the mesh has "
+                     f"{mesh.size}: resolve it with n_devices={mesh.size}")
+  key = jax.random.key(spec.train.seed) if key is None else key
+  graphdef, params, p_sh = (params_lib.init_params(spec.model, mesh, key) if init
+                            else params_lib.abstract_params(spec.model, mesh))
+  param_specs = sharding.param_specs_of(p_sh)
+  split = (state_layout.UpdateLayout(param_specs,
+                                     state_layout.update_specs(param_specs, params, mesh))
+           if spec.optim.shard_optimizer and mesh.size > 1 else None)
+  u_specs = None if split is None else split.update_specs
+  tx = optim.make(spec.optim, num_iterations, layout=split)
+  with jax.set_mesh(mesh):
+    abstract, specs = state_layout.optimizer_specs(tx, params,
+                                               param_specs if split is None else u_specs)
+    o_sh = sharding.named(mesh, specs)
+    opt_state = (jax.jit(tx.init, out_shardings=o_sh)(params) if init else
+                 jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              abstract, o_sh))
+  batch_sh = sharding.batch_sharding(mesh, leading_dims=2)
+  train_step = jax.jit(make_train_step(graphdef, tx, u_specs),
+                       in_shardings=(p_sh, o_sh, batch_sh, batch_sh),
+                       out_shardings=(p_sh, o_sh, None), donate_argnums=(0, 1))
+  g_sh = p_sh if u_specs is None else sharding.named(mesh, u_specs)
+  update_step = jax.jit(make_update(tx), in_shardings=(g_sh, o_sh, p_sh),
+                        out_shardings=(p_sh, o_sh))
+  return TrainSetup(graphdef=graphdef, tx=tx, params=params, opt_state=opt_state,
+                    param_shardings=p_sh, opt_shardings=o_sh, grad_shardings=g_sh,
+                    layout=spec.batch, train_step=train_step,
+                    eval_step=jax.jit(make_eval_step(graphdef)), update_step=update_step)
