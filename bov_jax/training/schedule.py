@@ -4,10 +4,12 @@ from __future__ import annotations
 
 
 class Schedule:
-  """The loop's periodic work: named actions, run in the order added after every step
-  (levanter's `Trainer.add_hook(fn, every=)`). An action is due after step s when s is a
-  multiple of its `every` (0: never by count), after the last step unless `at_end` is
-  off, and whenever its `also(s)` says so."""
+  """The loop's periodic work: named actions after every step (levanter's
+  `Trainer.add_hook(fn, every=)`), independent of one another. An action is due after
+  step s when s is a multiple of its `every` (0: never by count), after the last step
+  unless `at_end` is off, and whenever its `also(s)` says so; which are due is decided
+  for all of them before the first runs, so no action decides for another by running
+  first (they run in the order added)."""
 
   def __init__(self, last_step: int):
     self.last_step = last_step
@@ -24,6 +26,6 @@ class Schedule:
             or also(step))
 
   def run(self, step: int) -> None:
-    for name, (fn, *_) in self.actions.items():
-      if self.is_due(name, step):  # decided as it comes: an earlier action may stop the run
-        fn(step)
+    due = [fn for name, (fn, *_) in self.actions.items() if self.is_due(name, step)]
+    for fn in due:
+      fn(step)

@@ -119,10 +119,10 @@ class _Loop:
 
   def __init__(self, spec, workdir, mesh, setup, tok, splits, n, ckpts):
     self.spec, self.workdir, self.mesh, self.tok = spec, workdir, mesh, tok
-    self.setup, self.n, self.ckpts, self.layout = setup, n, ckpts, setup.layout
+    self.setup, self.n, self.ckpts = setup, n, ckpts
     self.train_split = splits[0]
     self.evaluator = bpb.Evaluator(spec, mesh, setup.eval_step, splits[1], tok,
-                                   self.layout.local_rows)
+                                   self.setup.layout.local_rows)
     self.t_start = time.time()
     self.params, self.opt_state = setup.params, setup.opt_state
     self.it = self._batches(spec.train.seed)
@@ -146,15 +146,18 @@ class _Loop:
     self.schedule = self._schedule()
 
   def _schedule(self) -> schedule_lib.Schedule:
-    """What runs after each step, in this order."""
+    """What runs after each step. The actions are independent of one another but for one
+    dependency, kept where it applies: a checkpoint saves the data iterator as it is
+    right after its step, so the next batch is not prefetched when one is due
+    (`_prefetch_due`); the checkpoint loads it once saved (`_save`). Whether to stop is
+    decided before the actions (`_stop_due`), the step's record written after them
+    (`_log`)."""
     t, e, s = self.spec.train, self.spec.eval, schedule_lib.Schedule(self.n)
-    s.add("preemption", self._check_preemption, every=1)  # no setting: after every step
     s.add("profile", self._profile, at_end=False, also=self.profiler.due)
     s.add("prefetch", self._prefetch, at_end=False, also=self._prefetch_due)
     s.add("evaluate", self._evaluate, every=t.eval_every)
     if e.core_bundle and e.core_every > 0:
       s.add("core", self._core, every=e.core_every)
-    s.add("log", self._log, every=t.log_every, also=self._log_due)
     if self.ckpts is not None:
       s.add("checkpoint", self._save, every=t.checkpoint_every, also=lambda _: self.stopping)
     s.add("sample", self._sample)  # no setting: after the last step
@@ -162,7 +165,7 @@ class _Loop:
 
   def run(self) -> dict:
     log(f"bov_jax: {self.spec.model.describe()} | {self.n} steps x "
-        f"{self.spec.train.batch_tokens:,} tokens (accum {self.layout.accum}) | "
+        f"{self.spec.train.batch_tokens:,} tokens (accum {self.setup.layout.accum}) | "
         f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
     if self.step == 0:
       self.record = {"step": 0, "val_bpb": self.evaluator(self.params), "tokens": 0}
@@ -175,7 +178,9 @@ class _Loop:
       self._profile(self.step)
     while self.step < self.n:
       self._dispatch()
+      self.stopping = self._stop_due(self.step)
       self.schedule.run(self.step)
+      self._log(self.step)
       if self.stopping:
         return self._stop()
     return self._end()
@@ -186,7 +191,7 @@ class _Loop:
     windows = data_lib.TrainWindows(self.train_split, self.tok, seed, jax.process_index(),
                                     jax.process_count())
     return data_lib.train_batches(windows, self.spec.model.sequence_len + 1,
-                                  self.layout.local_rows)
+                                  self.setup.layout.local_rows)
 
   def _restore(self) -> int:
     """The newest checkpoint's step, its state and data order taken; 0 with none."""
@@ -218,7 +223,7 @@ class _Loop:
     t0 = time.perf_counter()
     before = self.it.get_state()
     try:
-      local = np.stack([next(self.it) for _ in range(self.layout.accum)])  # [A, rows, T+1]
+      local = np.stack([next(self.it) for _ in range(self.setup.layout.accum)])  # [A, rows, T+1]
     except data_lib.DataError as e:
       raise self._bad_data(e, before) from e
     x = sharding.global_batch(local[:, :, :-1], self.mesh, leading_dims=2)
@@ -285,10 +290,11 @@ class _Loop:
 
   # -- the actions ----------------------------------------------------------------------
 
-  def _check_preemption(self, step: int) -> None:
-    """Whether to stop after this step: a flag read so far, or a maintenance event. Later
-    reads (a record's) count from the next step, so every action of a step sees one answer."""
-    self.stopping = self.stop_agreed or self.preemption.maintenance(step)
+  def _stop_due(self, step: int) -> bool:
+    """Whether to stop after this step: a flag read so far, or a maintenance event,
+    decided once before the step's actions, so every one of them sees one answer (a flag
+    read during them counts from the next step)."""
+    return self.stop_agreed or self.preemption.maintenance(step)
 
   def _profile(self, step: int) -> None:
     self.profiler.after(step, sync=lambda: jax.block_until_ready(self.params))
@@ -320,14 +326,15 @@ class _Loop:
     self.record["eval_s"] = self.record.get("eval_s", 0.0) + seconds
     self.tput.exclude(seconds)
 
-  def _log_due(self, step: int) -> bool:
-    """A record is also written after the first step, and with everything that
-    evaluates, saves or stops."""
-    return step == self.first or self.stopping or any(
-        self.schedule.is_due(name, step) for name in ("evaluate", "core", "checkpoint"))
-
   def _log(self, step: int) -> None:
-    del step
+    """The step's record, written every train.log_every steps and after the last, after
+    the first, and after every step that evaluates, saves or stops (what those actions
+    measured is in it)."""
+    due = (step % self.spec.train.log_every == 0 or step in (self.first, self.n)
+           or self.stopping or any(self.schedule.is_due(name, step)
+                                   for name in ("evaluate", "core", "checkpoint")))
+    if not due:
+      return
     record = self._current()
     record.update(self.tput.read())
     self.writer.write(record)
