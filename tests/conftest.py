@@ -62,3 +62,34 @@ def gcs(tmp_path_factory):
   yield env
   proc.terminate()
   proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+  """A finished tiny run, trained once for the whole session: configs/tiny.py at the
+  tests' shapes (helpers.TINY_RUN), 12 steps, its run directory as training leaves it
+  (config.json, checkpoints, metrics, the tokenizer, DONE). The pytest-xdist workers
+  share it: the first to take the lock trains it, the others read it. For the tests that
+  only read a finished run; one that writes into a run copies it first (copy_run)."""
+  import fcntl
+
+  from tests import helpers
+  base = tmp_path_factory.getbasetemp().parent  # the same for every worker of the session
+  wd = base / "tiny_run"
+  with open(base / "tiny_run.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (wd / "DONE").exists():
+      out = helpers.command("main", "--config=configs/tiny.py", f"--workdir={wd}",
+                            *helpers.TINY_RUN, "--config.train.num_iterations=12",
+                            "--config.train.eval_every=6", "--config.train.checkpoint_every=6",
+                            "--config.train.sample_tokens=0")
+      assert out.returncode == 0, out.stderr[-3000:]
+  return str(wd)
+
+
+@pytest.fixture
+def copy_run(tiny_run, tmp_path):
+  """A copy of the session's tiny run, for a test that writes into it."""
+  dst = tmp_path / "run"
+  shutil.copytree(tiny_run, dst)
+  return str(dst)

@@ -325,12 +325,14 @@ def equal_bits(a: dict, b: dict):
 
 # --- the one runner of the commands the tests start -----------------------------------
 
-def command_env(devices: int = 1, **extra) -> dict:
-  """The environment a test starts a command in: `devices` simulated CPU devices,
-  compiled as the session compiles (xla_flags), output unbuffered; `extra` on top (None
-  removes a variable: JAX_PLATFORMS=None runs it as a user does, the CPU picked by the
-  command itself)."""
-  env = dict(os.environ, XLA_FLAGS=xla_flags(devices), PYTHONUNBUFFERED="1")
+def command_env(devices: int | None = None, **extra) -> dict:
+  """The environment a test starts a command in: `devices` simulated CPU devices (default:
+  the session's 8), compiled as the session compiles (xla_flags), output unbuffered;
+  `extra` on top (None removes a variable: JAX_PLATFORMS=None runs it as a user does, the
+  CPU picked by the command itself)."""
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  if devices is not None:
+    env["XLA_FLAGS"] = xla_flags(devices)
   for k, v in extra.items():
     if v is None:
       env.pop(k, None)
@@ -344,7 +346,7 @@ def _argv(module: str, args) -> list[str]:
           *map(str, args)]
 
 
-def command(module: str, *args, devices: int = 1, env=None, timeout: float = 600,
+def command(module: str, *args, devices: int | None = None, env=None, timeout: float = 600,
             input: str | None = None) -> subprocess.CompletedProcess:
   """`python -m bov_jax.MODULE ARGS...` (or a dotted module, `benchmarks.train`) run from
   the repository root, its output captured as text."""
@@ -352,7 +354,8 @@ def command(module: str, *args, devices: int = 1, env=None, timeout: float = 600
                         env=env or command_env(devices), timeout=timeout, input=input)
 
 
-def start(module: str, *args, devices: int = 1, env=None, **popen) -> subprocess.Popen:
+def start(module: str, *args, devices: int | None = None, env=None,
+          **popen) -> subprocess.Popen:
   """The same command started, not waited for (for a test that signals or kills it)."""
   popen.setdefault("stdout", subprocess.PIPE)
   popen.setdefault("stderr", subprocess.STDOUT)

@@ -1,14 +1,10 @@
 """The benchmarks (python -m benchmarks.train / decode / dots) print their JSON contracts (numbers are not asserted: timing
 claims live in the benchmark output, not in tests)."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import ROOT
-from tests.helpers import xla_flags
+from tests.helpers import command
 
 SMALL = ["--config=configs/tiny.py", "--config.model.n_layer=3", "--config.model.n_embd=64",
          "--config.model.vocab_size=512", "--config.model.sequence_len=128",
@@ -16,10 +12,8 @@ SMALL = ["--config=configs/tiny.py", "--config.model.n_layer=3", "--config.model
 
 
 def _bench(*args):
-  env = dict(os.environ, XLA_FLAGS=xla_flags(1))
   name, *rest = args
-  out = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *rest], capture_output=True,
-                       text=True, cwd=ROOT, env=env, timeout=600)
+  out = command(f"benchmarks.{name}", *rest, devices=1, timeout=600)
   assert out.returncode == 0, out.stderr[-2000:]
   return [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("{")]
 

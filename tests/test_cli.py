@@ -5,22 +5,18 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from bov_jax import cli
 from bov_jax.data import corpus
-from bov_jax.data import tokenizer as tok_lib
 from bov_jax.runtime import hostmem
-from bov_jax.store import checkpoint
 from bov_jax.store import rundir
 from tests import helpers
 from tests.helpers import ROOT
-from tests.helpers import random_model
-from tests.helpers import small_config
+from tests.helpers import command
+from tests.helpers import command_env
 
 
 class _FromGcsfs(Exception):
@@ -68,40 +64,26 @@ def test_the_environments_cause_is_in_the_one_line(capsys):
       "error: checkpoint 20 was not written: OSError: [Errno 28] No space left on device (")
 
 
-def _env(**extra):
-  """The environment of a command as a user runs it: no JAX_PLATFORMS (on a host without
-  an accelerator the command picks the CPU itself, and libtpu stays silent)."""
-  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-  env.update(XLA_FLAGS=helpers.xla_flags(1), **extra)
-  return env
-
-
 def _command(module, *args, env=None, timeout=300):
-  return subprocess.run([sys.executable, "-m", f"bov_jax.{module}", *args], capture_output=True,
-                        text=True, cwd=ROOT, env=env or _env(), timeout=timeout)
+  """A command as a user runs it: no JAX_PLATFORMS (on a host without an accelerator the
+  command picks the CPU itself, and libtpu stays silent), one device."""
+  return command(module, *args, env=env or _env(), timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-  """A run directory: a checkpoint of random weights and a 300-token tokenizer."""
-  wd = str(tmp_path_factory.mktemp("cli") / "run")
-  cfg = small_config("gpt_base_v_from_value_emb_learn", vocab_size=300, sequence_len=64)
-  checkpoint.save_params(wd, cfg, nnx.to_pure_dict(nnx.state(random_model(cfg))), step=7)
-  texts = tok_lib.training_texts(corpus.open_corpus("embedded").documents(), 200_000, 10_000)
-  tok_lib.train(texts, 300).save(rundir.tokenizer(wd))
-  return wd
+def _env(**extra):
+  return command_env(1, JAX_PLATFORMS=None, **extra)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not hostmem.cpu_only({}), reason="an accelerator here: JAX starts on it")
-def test_commands_print_only_their_own_lines(run, tmp_path):
+def test_commands_print_only_their_own_lines(tiny_run, tmp_path):
   """export, report, convert and lm_eval print what they did and nothing of libtpu's
   start-up or the libraries' INFO logs; export lists every file it wrote."""
-  out = _command("export", f"--workdir={run}", f"--out={tmp_path / 'folder'}")
+  out = _command("export", f"--workdir={tiny_run}", f"--out={tmp_path / 'folder'}")
   assert out.returncode == 0 and out.stderr == "", out.stderr[-3000:]
   files = json.loads(out.stdout)["files"]
   assert sorted(os.path.basename(f) for f in files) == sorted(os.listdir(tmp_path / "folder"))
-  out = _command("report", run, "--coeffs")
+  out = _command("report", tiny_run, "--coeffs")
   assert out.returncode == 0 and out.stderr == "", out.stderr[-3000:]
   dims = dict(sequence_len=640, vocab_size=100, n_layer=6, n_head=4, n_kv_head=2, n_embd=64,
               window_pattern="SSSL")
@@ -113,7 +95,7 @@ def test_commands_print_only_their_own_lines(run, tmp_path):
                  f"--meta={tmp_path}/meta_000005.json", f"--workdir={tmp_path}/converted")
   assert out.returncode == 0 and out.stderr == "", out.stderr[-3000:]
   pytest.importorskip("lm_eval", reason="lm_eval is the optional eval extra: pip install '.[eval]'")
-  out = _command("lm_eval", f"--workdir={run}", "--tasks=bov_tiny_ppl", "--limit=2",
+  out = _command("lm_eval", f"--workdir={tiny_run}", "--tasks=bov_tiny_ppl", "--limit=2",
                  f"--include_path={ROOT}/tests/data/lm_eval", f"--output={tmp_path}/r.json",
                  env=_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                           HF_HOME=str(tmp_path / "hf")))
@@ -138,7 +120,7 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_full_disk_exits_1_naming_it(small_disk, run):
+def test_a_full_disk_exits_1_naming_it(small_disk, tiny_run):
   """A run whose disk fills stops with exit 1 and one line naming the full disk (no
   half-written checkpoint left under its final name); so does an export into it."""
   wd = small_disk / "run"
@@ -150,7 +132,7 @@ def test_a_full_disk_exits_1_naming_it(small_disk, run):
   assert len(lines) == 1 and "no space left on device" in lines[0].lower(), lines
   assert "not the input" in lines[0]
   assert all(p.name.isdigit() for p in (wd / "checkpoints").iterdir())
-  out = _command("export", f"--workdir={run}", f"--out={small_disk / 'folder'}")
+  out = _command("export", f"--workdir={tiny_run}", f"--out={small_disk / 'folder'}")
   lines = out.stderr.strip().splitlines()
   assert out.returncode == 1 and len(lines) == 1 and "No space left" in lines[0], lines
 

@@ -3,6 +3,7 @@ import pytest
 
 from bov_jax.settings import config as config_lib
 from bov_jax.settings import values
+from tests.helpers import command
 from tests.helpers import run_spec
 from tests.helpers import small_config
 
@@ -81,11 +82,8 @@ def test_bad_model_settings_are_named(field, value, message):
 
 
 def test_main_rejects_bad_config_before_building(tmp_path):
-  import subprocess
-  import sys
-  out = subprocess.run([sys.executable, "-m", "bov_jax.main", "--config=configs/tiny.py",
-                        "--mode=plan", "--config.model.value.source=tabel"],
-                       capture_output=True, text=True, timeout=120)
+  out = command("main", "--config=configs/tiny.py",
+                "--mode=plan", "--config.model.value.source=tabel", timeout=120)
   assert out.returncode == 2
   assert "model.value.source='tabel'" in out.stderr
 

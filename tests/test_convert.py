@@ -1,8 +1,6 @@
 """Checkpoint import from the reference: every variant's logits against a numpy oracle."""
 import dataclasses
 import json
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +11,7 @@ from bov_jax.interop import nanochat as convert
 from bov_jax.model import gpt as model_lib
 from bov_jax.settings import values
 from tests import helpers
-from tests.helpers import ROOT
+from tests.helpers import command
 from tests.helpers import model_spec
 
 # sequence_len 640 gives the reference's short window 256; 300 tokens cross it.
@@ -108,10 +106,8 @@ def test_convert_command_writes_a_loadable_checkpoint(tmp_path):
   np.savez(tmp_path / "model_000123.npz", **sd)
   meta = {"model_config": dict(DIMS), "user_config": {"model_type": mt}}
   (tmp_path / "meta_000123.json").write_text(json.dumps(meta))
-  out = subprocess.run(
-      [sys.executable, "-m", "bov_jax.convert", f"--checkpoint={tmp_path}/model_000123.npz",
-       f"--meta={tmp_path}/meta_000123.json", f"--workdir={tmp_path}/run"],
-      capture_output=True, text=True, cwd=ROOT, timeout=300)
+  out = command("convert", f"--checkpoint={tmp_path}/model_000123.npz",
+                f"--meta={tmp_path}/meta_000123.json", f"--workdir={tmp_path}/run", timeout=300)
   assert out.returncode == 0, out.stderr
   assert json.loads(out.stdout.strip().splitlines()[-1])["checkpoint"].endswith("123")
   cfg = rundir.read_config(str(tmp_path / "run"))
@@ -128,10 +124,8 @@ def test_convert_command_writes_a_loadable_checkpoint(tmp_path):
 def test_convert_command_needs_a_model_type(tmp_path):
   (tmp_path / "meta.json").write_text(json.dumps({"model_config": DIMS}))
   np.savez(tmp_path / "m.npz", x=np.zeros(1))
-  out = subprocess.run(
-      [sys.executable, "-m", "bov_jax.convert", f"--checkpoint={tmp_path}/m.npz",
-       f"--meta={tmp_path}/meta.json", f"--workdir={tmp_path}/run"],
-      capture_output=True, text=True, cwd=ROOT, timeout=300)
+  out = command("convert", f"--checkpoint={tmp_path}/m.npz",
+                f"--meta={tmp_path}/meta.json", f"--workdir={tmp_path}/run", timeout=300)
   assert out.returncode == 2 and "--model_type" in out.stderr
 
 
@@ -155,17 +149,14 @@ def test_convert_brings_the_reference_tokenizer_and_never_trains_one(tmp_path):
   ref = tok_lib.train(tok_lib.training_texts(corpus.embedded_documents()[:400], 300_000), 300)
   (tmp_path / "ref_tok").mkdir()
   (tmp_path / "ref_tok" / "tokenizer.pkl").write_bytes(pickle.dumps(ref.enc))
-  cmd = [sys.executable, "-m", "bov_jax.convert", f"--checkpoint={tmp_path}/model_000007.npz",
-         f"--meta={tmp_path}/meta.json"]
-  out = subprocess.run(cmd + [f"--workdir={tmp_path}/run", f"--tokenizer={tmp_path}/ref_tok"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+  cmd = ["convert", f"--checkpoint={tmp_path}/model_000007.npz", f"--meta={tmp_path}/meta.json"]
+  out = command(*cmd, f"--workdir={tmp_path}/run", f"--tokenizer={tmp_path}/ref_tok", timeout=300)
   assert out.returncode == 0, out.stderr
   got = tok_lib.load(str(tmp_path / "run" / "tokenizer"))
   assert got.encode("def f(x): return x") == ref.encode("def f(x): return x")
   spec = run_spec(small_config("gpt_base", vocab_size=300))
   assert sources.tokenizer(spec, str(tmp_path / "run")).vocab_size == 300
-  out = subprocess.run(cmd + [f"--workdir={tmp_path}/bare"], capture_output=True, text=True,
-                       cwd=ROOT, timeout=300)
+  out = command(*cmd, f"--workdir={tmp_path}/bare", timeout=300)
   assert out.returncode == 0, out.stderr
   train, _ = sources.documents(spec)
   with pytest.raises(tok_lib.TokenizerError, match=r"has no tokenizer/tokenizer\.pkl.*"
@@ -174,6 +165,5 @@ def test_convert_brings_the_reference_tokenizer_and_never_trains_one(tmp_path):
   (tmp_path / "small").mkdir()
   small = tok_lib.train(tok_lib.training_texts(corpus.embedded_documents()[:400], 300_000), 280)
   (tmp_path / "small" / "tokenizer.pkl").write_bytes(pickle.dumps(small.enc))
-  bad = subprocess.run(cmd + [f"--workdir={tmp_path}/r2", f"--tokenizer={tmp_path}/small"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+  bad = command(*cmd, f"--workdir={tmp_path}/r2", f"--tokenizer={tmp_path}/small", timeout=300)
   assert bad.returncode == 2 and "has 280 tokens but model.vocab_size=300" in bad.stderr

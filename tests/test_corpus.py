@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from bov_jax.data import corpus
+from tests.helpers import command
 from tests.helpers import corrupt_row_group
 
 
@@ -150,12 +151,8 @@ def test_download_fetches_what_is_missing_and_the_validation_shard(tmp_path):
 
 
 def test_download_command_dry_run(tmp_path):
-  import subprocess
-  import sys
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  out = subprocess.run([sys.executable, "-m", "bov_jax.data", "download", "--shards=2",
-                        f"--dir={tmp_path}", "--dry_run"], capture_output=True, text=True,
-                       cwd=root, timeout=120)
+  out = command("data", "download", "--shards=2",
+                f"--dir={tmp_path}", "--dry_run", timeout=120)
   assert out.returncode == 0, out.stderr
   assert "would fetch karpathy/climbmix-400b-shuffle/shard_00001.parquet" in out.stdout
   assert "shard_06542.parquet" in out.stdout and not os.listdir(tmp_path)

@@ -2,8 +2,6 @@
 folder; its numbers are the model's own."""
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -20,6 +18,7 @@ from bov_jax.run import spec as spec_lib
 from bov_jax.store import checkpoint
 from bov_jax.store import rundir
 from tests.helpers import ROOT
+from tests.helpers import command
 from tests.helpers import random_model
 from tests.helpers import small_config
 
@@ -124,6 +123,7 @@ def test_is_greedy_when_the_continuation_is_the_argmax(lm):
   assert own and not other
 
 
+@pytest.mark.slow  # compile-heavy: decoding programs of several batch shapes
 def test_generate_until_is_greedy_sampling(run, lm, monkeypatch):
   """generate_until, batched over prompts of different lengths, gives --mode=sample's
   greedy tokens for each prompt; a stop string cuts the text and ends decoding early."""
@@ -186,11 +186,9 @@ def test_the_command_runs_local_tasks_offline(run, tmp_path):
   wd, _ = run
   env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
              HF_HOME=str(tmp_path / "hf_home"))
-  out = subprocess.run(
-      [sys.executable, "-m", "bov_jax.lm_eval", f"--workdir={wd}",
-       "--tasks=bov_tiny_mc,bov_tiny_gen,bov_tiny_ppl", f"--include_path={TASKS}",
-       "--limit=20", f"--output={tmp_path / 'res.json'}", "--batch_size=8"],
-      capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+  out = command("lm_eval", f"--workdir={wd}",
+                "--tasks=bov_tiny_mc,bov_tiny_gen,bov_tiny_ppl", f"--include_path={TASKS}",
+                "--limit=20", f"--output={tmp_path / 'res.json'}", "--batch_size=8", env=env, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   summary = json.loads(out.stdout.strip().splitlines()[-1])
   results = json.loads((tmp_path / "res.json").read_text())

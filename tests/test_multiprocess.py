@@ -7,14 +7,14 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.helpers import ROOT
 from tests.helpers import TINY_RUN
-from tests.helpers import xla_flags
+from tests.helpers import command
+from tests.helpers import command_env
+from tests.helpers import start
 
 pytestmark = pytest.mark.slow  # several processes: end-to-end runs
 
@@ -28,20 +28,13 @@ def _port() -> int:
     return s.getsockname()[1]
 
 
-def _env(devices: int) -> dict:
-  return dict(os.environ, XLA_FLAGS=xla_flags(devices),
-              JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-
-
 def _start(args, n: int, port: int, module="bov_jax.main"):
   """n processes of one command line (process i: JAX_PROCESS_ID=i), two devices each."""
   procs = []
   for i in range(n):
-    env = dict(_env(2), JAX_PROCESS_ID=str(i))
     extra = [f"--coordinator_address=localhost:{port}", f"--num_processes={n}"]
-    procs.append(subprocess.Popen([sys.executable, "-m", module, *args, *extra], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  cwd=ROOT))
+    procs.append(start(module, *args, *extra, env=command_env(2, JAX_PROCESS_ID=i),
+                       stderr=subprocess.PIPE))
   return procs
 
 
@@ -54,8 +47,7 @@ def _one_started(args, log: str, devices=4):
   """One process of `devices` devices, started, its output to files (nothing waits on a
   full pipe while another run is followed); _collect waits for it."""
   with open(log + ".out", "w") as out, open(log + ".err", "w") as err:
-    return subprocess.Popen([sys.executable, "-m", "bov_jax.main", *args], env=_env(devices),
-                            stdout=out, stderr=err, text=True, cwd=ROOT)
+    return start("main", *args, devices=devices, stdout=out, stderr=err)
 
 
 def _collect(proc, log: str, timeout=300):
@@ -74,11 +66,9 @@ def test_multiprocess_step_and_data_equal_one_process():
   """A train step fed the same global batch: two processes of two devices give the loss
   and parameters of one process of four (1e-5); each process reads its own row groups."""
   port = _port()
-  procs = [subprocess.Popen([sys.executable, "-m", "tests.mp_step", "2", str(i), str(port)],
-                            env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT) for i in range(2)]
-  one = subprocess.run([sys.executable, "-m", "tests.mp_step", "1", "0", "0"], env=_env(4),
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+  procs = [start("tests.mp_step", 2, i, port, devices=2, stderr=subprocess.PIPE)
+           for i in range(2)]
+  one = command("tests.mp_step", 1, 0, 0, devices=4, timeout=300)
   codes, outs, errs = _finish(procs)
   assert codes == [0, 0] and one.returncode == 0, (errs[0][-2000:], one.stderr[-2000:])
   got = [json.loads(o.strip().splitlines()[-1]) for o in outs]

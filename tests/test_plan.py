@@ -1,19 +1,18 @@
 """`--mode=plan`: parameters, FLOPs and budgets of SPEC section 3, exactly."""
 import json
-import subprocess
-import sys
 
 import pytest
 
 from bov_jax.run import plan
 from bov_jax.settings import config as config_lib
+from tests.helpers import command
 from tests.helpers import model_spec
 from tests.helpers import small_config
 
 
 def _plan_cli(config, *overrides):
-  out = subprocess.run([sys.executable, "-m", "bov_jax.main", f"--config={config}",
-                        "--mode=plan", *overrides], capture_output=True, text=True, timeout=300)
+  out = command("main", f"--config={config}",
+                "--mode=plan", *overrides, timeout=300)
   assert out.returncode == 0, out.stderr
   return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -79,10 +78,9 @@ def test_scaling_params_is_dense_layout():
 def test_a_paper_config_without_its_corpus_is_named(tmp_path):
   """The paper configs read ClimbMix; where it is missing, the run stops before building
   anything, naming data.corpus and the command that fetches it. --mode=plan needs no data."""
-  out = subprocess.run([sys.executable, "-m", "bov_jax.main", "--config=configs/bov_780m.py",
-                        f"--workdir={tmp_path}/run",
-                        f"--config.data.corpus={tmp_path}/climbmix"],
-                       capture_output=True, text=True, timeout=300)
+  out = command("main", "--config=configs/bov_780m.py",
+                f"--workdir={tmp_path}/run",
+                f"--config.data.corpus={tmp_path}/climbmix", timeout=300)
   assert out.returncode == 2, out.stderr[-2000:]
   assert f"data.corpus='{tmp_path}/climbmix'" in out.stderr
   assert "python -m bov_jax.data download" in out.stderr

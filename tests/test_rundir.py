@@ -2,7 +2,6 @@
 import json
 import os
 import subprocess
-import sys
 
 import jax.numpy as jnp
 import pytest
@@ -10,6 +9,7 @@ import pytest
 from bov_jax.store import checkpoint
 from bov_jax.store import rundir
 from tests.helpers import ROOT
+from tests.helpers import command
 from tests.helpers import small_config
 
 
@@ -106,14 +106,12 @@ def test_a_batch_that_does_not_divide_leaves_nothing_behind(tmp_path):
   """The whole config, batch layout included, is checked before the run directory is
   touched: no config.json, tokenizer or checkpoints/ are left by a refused run."""
   wd = tmp_path / "run"
-  out = subprocess.run([sys.executable, "-m", "bov_jax.main", "--config=configs/tiny.py",
-                        f"--workdir={wd}", "--config.train.batch_tokens=1000"],
-                       capture_output=True, text=True, cwd=ROOT)
+  out = command("main", "--config=configs/tiny.py",
+                f"--workdir={wd}", "--config.train.batch_tokens=1000")
   assert out.returncode == 2 and "train.batch_tokens=1000" in out.stderr, out.stderr
   assert not wd.exists()
-  plan = subprocess.run([sys.executable, "-m", "bov_jax.main", "--config=configs/tiny.py",
-                         "--mode=plan", "--config.train.batch_tokens=1000"],
-                        capture_output=True, text=True, cwd=ROOT)
+  plan = command("main", "--config=configs/tiny.py",
+                 "--mode=plan", "--config.train.batch_tokens=1000")
   assert plan.returncode == 2 and "train.batch_tokens=1000" in plan.stderr, plan.stderr
 
 

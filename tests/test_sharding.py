@@ -15,6 +15,7 @@ from bov_jax.parallel import sharding
 from bov_jax.run import plan
 from bov_jax.training import step as step_lib
 from tests.helpers import TINY_RUN
+from tests.helpers import command
 from tests.helpers import model_spec
 from tests.helpers import run_spec
 from tests.helpers import sgd_step_on_mesh_and_one_device
@@ -185,17 +186,13 @@ def test_mesh_training_matches_one_device_and_reshards_on_resume(tmp_path):
   the same workdir then resumes on data=8 (a different mesh) and reaches step 9."""
   import json
   import os
-  import subprocess
-  import sys
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   common = ["--config=configs/tiny.py", *TINY_RUN, "--config.train.eval_every=100",
             "--config.train.sample_tokens=0", "--config.train.checkpoint_every=3"]
 
   def main(workdir, devices, *extra):
     env = dict(os.environ, XLA_FLAGS=xla_flags(devices))
-    out = subprocess.run([sys.executable, "-m", "bov_jax.main", f"--workdir={workdir}",
-                          *common, *extra], capture_output=True, text=True, cwd=root, env=env,
-                         timeout=900)
+    out = command("main", f"--workdir={workdir}",
+                  *common, *extra, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
       return out, {r["step"]: r for r in map(json.loads, f) if "train_loss" in r}

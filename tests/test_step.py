@@ -116,6 +116,7 @@ def _update_flops(mesh_shape, shard=True):
   return compiled.cost_analysis()["flops"]
 
 
+@pytest.mark.slow  # compile-heavy: an 8-layer optimizer update compiled on three meshes
 @pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (1, 8, 1)])
 def test_each_device_runs_its_share_of_the_optimizer(mesh_shape):
   """Every stack of Muon matrices divides by the eight devices: the update's FLOPs per

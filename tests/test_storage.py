@@ -1,10 +1,7 @@
 """A run in a bucket (a GCS emulator): corpus, checkpoints, metrics, event files, tokenizer,
 eval and sample modes, a sweep and a report, all on gs://; and appending to a bucket file."""
 import json
-import os
 import signal
-import subprocess
-import sys
 
 import fsspec
 import pyarrow as pa
@@ -13,9 +10,10 @@ import pytest
 
 from bov_jax.data import corpus
 from bov_jax.store import storage
-from tests.helpers import ROOT
 from tests.helpers import TINY_RUN
-from tests.helpers import xla_flags
+from tests.helpers import command
+from tests.helpers import command_env
+from tests.helpers import start
 
 TINY = [*TINY_RUN, "--config.train.num_iterations=12", "--config.train.eval_every=6",
         "--config.train.checkpoint_every=4", "--config.train.log_every=1",
@@ -23,8 +21,7 @@ TINY = [*TINY_RUN, "--config.train.num_iterations=12", "--config.train.eval_ever
 
 
 def _run(module, *args, env, timeout=600):
-  return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                        cwd=ROOT, env=env, timeout=timeout)
+  return command(module, *args, env=env, timeout=timeout)
 
 
 def _metrics(fs, path):
@@ -42,8 +39,7 @@ def test_appending_to_a_bucket_file(gcs):
 
 @pytest.mark.slow
 def test_a_tiny_run_lives_in_the_bucket(gcs, tmp_path):
-  env = dict(os.environ, **gcs, XLA_FLAGS=xla_flags(1),
-             PYTHONUNBUFFERED="1")
+  env = command_env(1, **gcs)
   fs = fsspec.filesystem("gs")
   docs = corpus.embedded_documents()
   for k in range(3):  # nanochat's layout: the last shard is the validation split
@@ -69,8 +65,7 @@ def test_a_tiny_run_lives_in_the_bucket(gcs, tmp_path):
   # the same run killed (SIGKILL) mid-way and restarted resumes to the same losses
   args = ["--config=configs/tiny.py", "--workdir=gs://bov/killed",
           "--config.model.value.preset=gpt_base_v_from_value_emb_learn", *TINY]
-  proc = subprocess.Popen([sys.executable, "-m", "bov_jax.main", *args], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+  proc = start("main", *args, env=env)
   for line in proc.stdout:
     if line.startswith("step 10/"):
       proc.send_signal(signal.SIGKILL)

@@ -1,22 +1,20 @@
 """Sweeps print one command per point; reports turn runs into plots and a table."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from bov_jax.jobs import report
 from bov_jax.jobs import sweep
 from tests.helpers import ROOT
+from tests.helpers import command
 from tests.helpers import random_model
 from tests.helpers import small_config
 from tests.helpers import xla_flags
 
 
 def _sweep(*args):
-  return subprocess.run([sys.executable, "-m", "bov_jax.sweep", *args], capture_output=True,
-                        text=True, cwd=ROOT, timeout=120)
+  return command("sweep", *args, timeout=120)
 
 
 @pytest.mark.parametrize("name, n", [("table1", 13), ("table2", 5), ("fig5b", 5),
@@ -97,8 +95,7 @@ def test_report_on_two_runs(tmp_path):
           for p, b in (("gpt_base", 3.1), ("gpt_base_v_from_value_emb_learn", 3.0))]
   coeffs = report.coefficients(runs[1])
   assert sorted(coeffs["layers"]) == [1] and "gamma" in coeffs["layers"][1]  # of 2 layers
-  out = subprocess.run([sys.executable, "-m", "bov_jax.report", *runs, f"--out={tmp_path}/rep"],
-                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+  out = command("report", *runs, f"--out={tmp_path}/rep", env=env, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   written = json.loads(out.stdout.strip().splitlines()[-1])["written"]
   assert sum(w.endswith(".png") for w in written) >= 2
@@ -109,9 +106,7 @@ def test_report_on_two_runs(tmp_path):
   hide = tmp_path / "no_matplotlib"
   (hide / "matplotlib").mkdir(parents=True)
   (hide / "matplotlib" / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
-  out = subprocess.run([sys.executable, "-m", "bov_jax.report", *runs, f"--out={tmp_path}/rep2"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300,
-                       env=dict(env, PYTHONPATH=f"{hide}{os.pathsep}{ROOT}"))
+  out = command("report", *runs, f"--out={tmp_path}/rep2", timeout=300, env=dict(env, PYTHONPATH=f"{hide}{os.pathsep}{ROOT}"))
   assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
   (line,) = [line for line in out.stderr.splitlines() if line.startswith("error:")]
   assert "pip install '.[report]'" in line

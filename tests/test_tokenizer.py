@@ -2,15 +2,13 @@
 import json
 import os
 import pickle
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from bov_jax.data import corpus
 from bov_jax.data import tokenizer as tok_lib
-from tests.helpers import ROOT
+from tests.helpers import command
 
 
 @pytest.fixture(scope="module")
@@ -127,14 +125,12 @@ def test_the_commands_train_and_encode(tmp_path):
   (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n"
                                             for d in corpus.embedded_documents()[:400]))
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-m", "bov_jax.tokenizer", "train",
-                        f"--corpus={tmp_path}/c.jsonl", "--vocab_size=300", "--max_chars=200000",
-                        "--doc_cap=10000", f"--out={tmp_path}/tok"], capture_output=True,
-                       text=True, cwd=ROOT, env=env, timeout=300)
+  out = command("tokenizer", "train",
+                f"--corpus={tmp_path}/c.jsonl", "--vocab_size=300", "--max_chars=200000",
+                "--doc_cap=10000", f"--out={tmp_path}/tok", env=env, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
-  out = subprocess.run([sys.executable, "-m", "bov_jax.tokenizer", "encode",
-                        f"--tokenizer={tmp_path}/tok", "--bos"], input="def main():",
-                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+  out = command("tokenizer", "encode",
+                f"--tokenizer={tmp_path}/tok", "--bos", input="def main():", env=env, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   ids = json.loads(out.stdout)
   tok = tok_lib.load(str(tmp_path / "tok"))

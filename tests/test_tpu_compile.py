@@ -6,14 +6,13 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 
 import pytest
 
 from bov_jax.parallel import topology
 from bov_jax.training import aot
-from tests.helpers import ROOT
+from tests.helpers import command
 from tests.helpers import small_config
 
 
@@ -146,8 +145,7 @@ def test_decode_programs_compile_with_the_bank_kernel():
 
 def _main(*args, timeout=600):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", "bov_jax.main", "--mode=compile", *args],
-                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+  return command("main", "--mode=compile", *args, env=env, timeout=timeout)
 
 
 @pytest.mark.slow

@@ -5,8 +5,6 @@ import os
 import pathlib
 import re
 import signal
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,27 +16,20 @@ from bov_jax.data import batches as data_lib
 from bov_jax.evaluation import bpb
 from bov_jax.runtime import process
 from bov_jax.training import step as step_lib
-from tests.helpers import ROOT
 from tests.helpers import TINY_RUN
+from tests.helpers import command
+from tests.helpers import command_env
 from tests.helpers import init_model
 from tests.helpers import small_config
-from tests.helpers import xla_flags
+from tests.helpers import start
 
 FAST = ["--config=configs/tiny.py", *TINY_RUN, "--config.train.sample_tokens=8",
         "--config.train.log_every=1"]
 
 
-def _env():
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = xla_flags(1)
-  env["PYTHONUNBUFFERED"] = "1"
-  return env
-
-
 def _main(workdir, *extra, timeout=600, env=None, fast=True):
-  return subprocess.run([sys.executable, "-m", "bov_jax.main", f"--workdir={workdir}",
-                         *(FAST if fast else []), *extra], capture_output=True, text=True,
-                        cwd=ROOT, env=env or _env(), timeout=timeout)
+  return command("main", f"--workdir={workdir}", *(FAST if fast else []), *extra, devices=1,
+                 env=env, timeout=timeout)
 
 
 def _metrics(workdir):
@@ -82,9 +73,7 @@ def test_resume_after_sigkill_is_exact(tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
   # the same command, traced, killed with SIGKILL after step 25, then run again
   args_b = [*args, "--config.log.profile_start_step=5", "--config.log.profile_steps=2"]
-  proc = subprocess.Popen([sys.executable, "-m", "bov_jax.main", f"--workdir={killed}", *FAST,
-                           *args_b], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          cwd=ROOT, env=_env())
+  proc = start("main", f"--workdir={killed}", *FAST, *args_b, devices=1)
   for line in proc.stdout:
     if line.startswith("step 26/"):
       proc.send_signal(signal.SIGKILL)
@@ -200,8 +189,7 @@ def test_compile_cache_dir_keeps_the_compiled_step(tmp_path):
   """train.compile_cache_dir turns JAX's persistent cache on (where the environment does not
   name one), so a restart of the same run loads its step instead of compiling it."""
   cache = tmp_path / "xla"
-  env = _env()
-  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  env = command_env(1, JAX_COMPILATION_CACHE_DIR=None)
   out = _main(tmp_path / "run", "--config.train.num_iterations=1", "--config.train.eval_every=100",
               "--config.train.sample_tokens=0", f"--config.train.compile_cache_dir={cache}",
               env=env)
@@ -257,9 +245,7 @@ def test_sigterm_checkpoints_and_resume_continues(tmp_path):
   args = ["--config.train.num_iterations=12", "--config.train.checkpoint_every=100",
           "--config.train.eval_every=100", "--config.train.sample_tokens=0",
           "--config.log.profile_steps=2", "--config.log.profile_start_step=2"]
-  proc = subprocess.Popen([sys.executable, "-m", "bov_jax.main", f"--workdir={wd}", *FAST, *args],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                          env=_env())
+  proc = start("main", f"--workdir={wd}", *FAST, *args, devices=1)
   for line in proc.stdout:
     if line.startswith("step 4/"):
       proc.send_signal(signal.SIGTERM)
@@ -317,9 +303,7 @@ def test_one_run_owns_a_run_directory(tmp_path):
   wd = str(tmp_path / "run")
   args = ["--config.train.num_iterations=400", "--config.train.eval_every=1000",
           "--config.train.sample_tokens=0"]
-  holder = subprocess.Popen([sys.executable, "-m", "bov_jax.main", f"--workdir={wd}", *FAST,
-                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT, env=_env())
+  holder = start("main", f"--workdir={wd}", *FAST, *args, devices=1)
   try:
     for line in holder.stdout:
       if line.startswith("step 2/"):
