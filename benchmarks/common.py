@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 
 import jax
@@ -15,7 +14,6 @@ from ml_collections import config_flags
 from bov_jax.parallel import sharding
 from bov_jax.run import plan
 from bov_jax.run import spec as spec_lib
-from bov_jax.runtime import extras
 from bov_jax.store import metrics
 from bov_jax.training import step as step_lib
 
@@ -27,18 +25,6 @@ def spec_from_flags() -> spec_lib.RunSpec:
   if CONFIG.value is None:
     raise ValueError("--config=FILE is required (for example configs/tiny.py)")
   return spec_lib.resolve(CONFIG.value)
-
-
-def with_extras(main):
-  """A benchmark's main, ended by a missing optional dependency with its one line (the
-  `pip install` that brings it) and exit 1, not a traceback."""
-  def wrapped(argv):
-    try:
-      return main(argv)
-    except extras.MissingExtra as e:
-      print(f"error: {e}", file=sys.stderr)
-      sys.exit(extras.EXIT)
-  return wrapped
 
 
 def emit(obj) -> None:

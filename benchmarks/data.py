@@ -29,6 +29,7 @@ from absl import flags
 from absl import logging
 
 from benchmarks import common
+from bov_jax import cli
 from bov_jax.data import batches as data
 from bov_jax.data import corpus as corpus_lib
 from bov_jax.data import sources
@@ -104,4 +105,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(common.with_extras(main))
+  cli.run(main)  # a missing extra: one line, exit 1

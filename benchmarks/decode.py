@@ -21,6 +21,7 @@ from absl import logging
 from flax import nnx
 
 from benchmarks import common
+from bov_jax import cli
 from bov_jax.inference import generate as inference
 from bov_jax.kernels import bank_decode
 from bov_jax.model import initialize
@@ -78,4 +79,4 @@ def main(argv):
 if __name__ == "__main__":
   from bov_jax.runtime import hostmem
   hostmem.reexec_with_huge_pages()  # as bov_jax.main does on CPU: see hostmem.py
-  app.run(common.with_extras(main))
+  cli.run(main)  # a missing extra: one line, exit 1

@@ -29,6 +29,7 @@ from absl import flags
 from absl import logging
 
 from benchmarks import common
+from bov_jax import cli
 from bov_jax.runtime import extras
 
 _REFERENCE = flags.DEFINE_enum("reference", None, ["torch"],
@@ -278,4 +279,4 @@ def main(argv):
 if __name__ == "__main__":
   from bov_jax.runtime import hostmem
   hostmem.reexec_with_huge_pages()  # as bov_jax.main does on CPU: see hostmem.py
-  app.run(common.with_extras(main))
+  cli.run(main)  # a missing extra: one line, exit 1

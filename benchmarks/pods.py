@@ -30,11 +30,11 @@ import re
 
 import jax
 import numpy as np
-from absl import app
 from absl import flags
 
 from benchmarks import common
 from benchmarks.dots import hlo_runs
+from bov_jax import cli
 from bov_jax.run import plan
 from bov_jax.run import spec as spec_lib
 from bov_jax.settings import config as config_lib
@@ -211,4 +211,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(common.with_extras(main))
+  cli.run(main)  # a missing extra: one line, exit 1

@@ -22,6 +22,7 @@ from absl import logging
 
 from benchmarks import common
 from benchmarks import profile as profile_lib
+from bov_jax import cli
 from bov_jax.runtime import extras
 
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps.")
@@ -74,4 +75,4 @@ def main(argv):
 if __name__ == "__main__":
   from bov_jax.runtime import hostmem
   hostmem.reexec_with_huge_pages()  # as bov_jax.main does on CPU: see hostmem.py
-  app.run(common.with_extras(main))
+  cli.run(main)  # a missing extra: one line, exit 1

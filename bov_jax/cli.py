@@ -21,6 +21,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from bov_jax.runtime import extras
 from bov_jax.runtime import hostmem
 
 FAILED = 1     # the README's exit codes: 0 done, 1 the run (or its environment) failed,
@@ -81,7 +82,11 @@ def _line(e: BaseException) -> str:
 
 def failed(e: BaseException) -> int:
   """Prints `e` as the one `error:` line and returns its exit code: FAILED for the
-  environment's failure (its cause named), BAD_INPUT otherwise."""
+  environment's failure (its cause named) or an optional extra that is not installed,
+  BAD_INPUT otherwise."""
+  if isinstance(e, extras.MissingExtra):  # its message is the `pip install` that mends it
+    print(f"error: {e}", file=sys.stderr)
+    return extras.EXIT
   cause = environment_cause(e)
   if cause is None:
     print(f"error: {e}", file=sys.stderr)
@@ -114,13 +119,13 @@ def _guarded(main, argv):
   try:
     return main(argv)
   except Exception as e:
-    if environment_cause(e) is None:
+    if environment_cause(e) is None and not isinstance(e, extras.MissingExtra):
       raise  # not the environment and not caught as bad input: a bug, with its traceback
     sys.exit(failed(e))
 
 
 def run(main, flags_parser=parse_flags) -> None:
-  """absl.app.run(main) with the parser above; a failure of the environment that `main`
-  does not catch exits 1 in one line."""
+  """absl.app.run(main) with the parser above; a failure of the environment, or a missing
+  optional extra, that `main` does not catch exits 1 in one line."""
   cpu_when_no_accelerator()
   app.run(lambda argv: _guarded(main, argv), flags_parser=flags_parser)

@@ -19,7 +19,6 @@ from absl import flags
 from bov_jax import cli
 from bov_jax.interop import nanochat
 from bov_jax.interop.nanochat import from_nanochat  # noqa: F401  (the documented name)
-from bov_jax.runtime import extras
 
 
 def _define_flags():
@@ -43,9 +42,6 @@ def main(argv) -> int:
   try:
     path = nanochat.convert_file(f.checkpoint, f.meta, f.workdir, f.model_type, f.step,
                                  f.tokenizer)
-  except extras.MissingExtra as e:
-    print(f"error: {e}", file=sys.stderr)
-    return extras.EXIT
   except (ValueError, OSError) as e:  # bad input (2), or it failed (1)
     return cli.failed(e)
   print(json.dumps({"checkpoint": path}))

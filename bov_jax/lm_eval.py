@@ -18,7 +18,6 @@ from absl import flags
 
 from bov_jax import cli
 from bov_jax.evaluation import harness
-from bov_jax.runtime import extras
 
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                "a run directory or an exported folder (export.py)")
@@ -45,9 +44,6 @@ def main(argv) -> int:
                               _SEED.value, log=lambda s: print(s, file=sys.stderr))
   except (ValueError, OSError) as e:  # bad input (2), or the environment failed (1)
     return cli.failed(e)
-  except extras.MissingExtra as e:
-    print(f"error: {e}", file=sys.stderr)
-    return extras.EXIT
   print(json.dumps(record), flush=True)
   return 0
 

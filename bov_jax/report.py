@@ -14,7 +14,6 @@ from absl import flags
 
 from bov_jax import cli
 from bov_jax.jobs import report
-from bov_jax.runtime import extras
 
 _OUT = flags.DEFINE_string("out", None, "where to write PNGs and results.md")
 _COEFFS = flags.DEFINE_bool("coeffs", False, "print learned coefficients as JSON")
@@ -35,9 +34,6 @@ def main(argv) -> int:
     written = report.write([report.load_run(d) for d in runs], _OUT.value)
   except (ValueError, OSError) as e:  # bad input (2), or the environment failed (1)
     return cli.failed(e)
-  except extras.MissingExtra as e:
-    print(f"error: {e}", file=sys.stderr)
-    return extras.EXIT
   print(json.dumps({"written": written}))
   return 0
 

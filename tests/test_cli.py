@@ -132,6 +132,13 @@ def test_a_full_disk_exits_1_naming_it(small_disk, tiny_run):
   assert len(lines) == 1 and "no space left on device" in lines[0].lower(), lines
   assert "not the input" in lines[0]
   assert all(p.name.isdigit() for p in (wd / "checkpoints").iterdir())
+  with open(small_disk / "filler", "wb") as f:  # whatever room the run left, taken
+    try:
+      while True:
+        f.write(b"\0" * 65536)
+        f.flush()
+    except OSError:
+      pass
   out = _command("export", f"--workdir={tiny_run}", f"--out={small_disk / 'folder'}")
   lines = out.stderr.strip().splitlines()
   assert out.returncode == 1 and len(lines) == 1 and "No space left" in lines[0], lines

@@ -24,7 +24,6 @@ from bov_jax.parallel import sharding
 from bov_jax.parallel import topology as topology_lib
 from bov_jax.run import plan
 from bov_jax.run import spec as spec_lib
-from bov_jax.runtime import extras
 from bov_jax.runtime import process
 from bov_jax.runtime.process import log
 from bov_jax.settings import config as config_lib
@@ -34,8 +33,8 @@ from bov_jax.training import aot
 from bov_jax.training import step as step_lib
 from bov_jax.training import train
 
-# What a run that failed, or cannot run here, raises (exit 1 with its one error line).
-RUN_FAILED = (train.TrainError, ckpt_lib.CorruptCheckpointError, extras.MissingExtra)
+# What a run that failed raises (exit 1 with its one error line).
+RUN_FAILED = (train.TrainError, ckpt_lib.CorruptCheckpointError)
 
 
 def _print_json(obj) -> None:
@@ -47,7 +46,8 @@ def run(mode: str, cfg, workdir: str | None, topology: str | None = None,
   """`python -m bov_jax.main --mode=MODE`: the mode run on `cfg`; returns 0, 1 for a
   program that does not fit (compile), or train.PREEMPTED_EXIT for a run stopped by a
   preemption. Raises ValueError or OSError for bad input or a failed environment, one of
-  RUN_FAILED for a run that failed or cannot run here."""
+  RUN_FAILED for a run that failed (a missing optional extra: MissingExtra, which the
+  command line reports as cli.run does)."""
   if mode == "compile":
     return compile_for(cfg, topology, programs)
   if mode == "plan":  # for the devices the mesh settings name, not this host's
