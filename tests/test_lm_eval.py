@@ -114,7 +114,7 @@ def test_is_greedy_when_the_continuation_is_the_argmax(lm):
   """A continuation made of the model's own greedy tokens is greedy; one token changed,
   it is not."""
   context = "The sun rises in the"
-  ids = inference.generate_cached(lm.decode_graphdef, lm.params, lm.tok.encode(context), 3,
+  ids = inference.generate_cached(lm.graphdef, lm.params, lm.tok.encode(context), 3,
                                   CONTEXT)
   # decode the tokens as ids, not text: a text round trip may encode differently
   ((_, own),) = lm._loglikelihood_tokens([(None, lm.tok.encode(context), ids)])

@@ -65,9 +65,8 @@ class BovLM(TemplateLM):
     self.mesh = sharding.make_mesh(spec.mesh)
     self.tok = sources.tokenizer(spec, workdir)
     with jax.set_mesh(self.mesh):
-      self.step, graphdef, self.params = params_lib.restore(spec, workdir, self.mesh)
-    self.decode_graphdef = graphdef  # its decode kernel decided with the spec
-    self.scorer = core.Scorer(graphdef, self.params, pad_id=self.tok.bos_id,
+      self.step, self.graphdef, self.params = params_lib.restore(spec, workdir, self.mesh)
+    self.scorer = core.Scorer(self.graphdef, self.params, pad_id=self.tok.bos_id,
                               batch_rows=batch_size)
     self.batch_size, self._max_gen_toks = batch_size, max_gen_toks
     self.decode_chunk, self.seed = decode_chunk, seed
@@ -186,7 +185,7 @@ class BovLM(TemplateLM):
     new = [[] for _ in prompts]
     with jax.set_mesh(self.mesh):
       for chunk in inference.stream(
-          self.decode_graphdef, self.params, jnp.asarray(ids), jnp.asarray(lengths),
+          self.graphdef, self.params, jnp.asarray(ids), jnp.asarray(lengths),
           jax.random.key(self.seed), context=self.max_length, max_new_tokens=max_gen_toks,
           chunk=self.decode_chunk, temperature=temperature, top_k=top_k):
         for j in range(len(prompts)):
