@@ -9,7 +9,10 @@ import sys
 from tests import helpers
 
 REPO = pathlib.Path(helpers.ROOT)
-LIBRARY = sorted((REPO / "bov_jax").rglob("*.py"))
+# The package's modules: files of folders with an __init__.py (interop/hf_code/ is data, the
+# PyTorch model an exported folder carries, read by transformers and never imported here).
+LIBRARY = sorted(p for p in (REPO / "bov_jax").rglob("*.py") if (p.parent / "__init__.py").exists())
+HF_CODE = sorted((REPO / "bov_jax" / "interop" / "hf_code").glob("*.py"))
 
 
 def test_importing_every_module_imports_no_torch():
@@ -24,8 +27,18 @@ def test_importing_every_module_imports_no_torch():
   assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_the_exported_model_code_is_data_apart_from_the_library():
+  """hf_code/ imports nothing of bov_jax (it runs where bov_jax is not installed), and no
+  module of the library imports it (export copies its files)."""
+  assert [p.name for p in HF_CODE] == ["configuration_bov_gpt.py", "modeling_bov_gpt.py"]
+  for p in HF_CODE:
+    assert not {"bov_jax", "jax", "flax"} & _top_imports(p), p
+  for p in LIBRARY:
+    assert "hf_code import" not in p.read_text() and "hf_code." not in p.read_text(), p
+
+
 def test_modules_hold_one_idea_each():
-  long = {str(p.relative_to(REPO)): n for p in LIBRARY
+  long = {str(p.relative_to(REPO)): n for p in LIBRARY + HF_CODE
           if (n := len(p.read_text().splitlines())) > 400}
   assert not long, long
   for p in LIBRARY:  # benchmarks and their profilers live in benchmarks/; a training

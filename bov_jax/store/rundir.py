@@ -54,6 +54,8 @@ EXPORT_INDEX = "model.safetensors.index.json"
 EXPORT_CONFIG = CONFIG
 RUN_CONFIG = "run_config.json"
 EXPORT_TOKENIZER = "tokenizer.json"  # the `tokenizers` library's file, beside tokenizer.pkl
+EXPORT_TOKENIZER_CONFIG = "tokenizer_config.json"  # transformers' AutoTokenizer reads it
+EXPORT_GENERATION = "generation_config.json"
 MODEL_CARD = "README.md"
 
 

@@ -61,7 +61,7 @@ def _write_file(path: epath.Path, names: list[str], shapes: dict, dtypes: dict, 
                 fetch) -> None:
   """One safetensors file: an 8-byte header length, the JSON header (dtype, shape, byte
   offsets per tensor), then each tensor's bytes in order, fetched one at a time."""
-  header, offset = {}, 0
+  header, offset = {"__metadata__": {"format": "pt"}}, 0  # transformers reads only "pt" files
   for name in names:
     header[name] = {"dtype": _DTYPES[dtypes[name]], "shape": list(shapes[name]),
                     "data_offsets": [offset, offset + sizes[name]]}

@@ -1,0 +1,133 @@
+"""interop/hf_code/: the PyTorch model an exported folder carries, loaded by Hugging Face
+transformers from the folder (trust_remote_code), against bov_jax in float32: the same
+logits for every preset, the same greedy tokens as bov_jax's cached decoding, with the
+cache on or off, and a cache that keeps no values for bank layers."""
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from bov_jax.data import corpus
+from bov_jax.data import tokenizer as tok_lib
+from bov_jax.inference import generate as inference
+from bov_jax.interop import export
+from bov_jax.settings import values
+from bov_jax.store import checkpoint
+from bov_jax.store import rundir
+from tests.helpers import random_model
+from tests.helpers import small_config
+
+CONTEXT = 64
+TOLERANCE = 1e-5  # the largest logit difference, relative to the largest logit
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+  """A 300-token tokenizer of the embedded corpus."""
+  d = str(tmp_path_factory.mktemp("hf_tok"))
+  tok_lib.train(tok_lib.training_texts(corpus.embedded_documents()[:400], 300_000), 300).save(d)
+  return tok_lib.load(d)
+
+
+@pytest.fixture(scope="module")
+def texts():
+  """Real text: four documents of the embedded corpus, each cut to the context."""
+  return [d[:400] for d in corpus.embedded_documents()[10:14]]
+
+
+def exported(tmp_path, tok, preset):
+  """(bov_jax model, the folder export wrote, the model transformers loads from it): random
+  float32 weights (every path live) at the tests' shapes, sliding windows included."""
+  cfg = small_config(preset, vocab_size=tok.vocab_size, sequence_len=CONTEXT)
+  assert cfg.model.dtype == "float32" and cfg.model.param_dtype == "float32"
+  model = random_model(cfg, scale=0.3)
+  wd, out = str(tmp_path / "run"), str(tmp_path / "hf")
+  checkpoint.save_params(wd, cfg, nnx.to_pure_dict(nnx.state(model)), step=5)
+  tok.save(rundir.tokenizer(wd))
+  export.export(wd, out)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+  return model, out, hf.eval()
+
+
+def _batch(tok, texts):
+  rows = [tok.encode(t)[:CONTEXT] for t in texts]
+  assert all(len(r) == CONTEXT for r in rows)
+  return np.asarray(rows, np.int32)
+
+
+def logit_difference(model, hf, ids) -> float:
+  """max |torch - bov_jax| / max |bov_jax| over the logits of a batch of rows."""
+  import jax
+  ref = np.asarray(jax.jit(lambda x: model(x))(ids))
+  with torch.no_grad():
+    got = hf(torch.from_numpy(ids).long()).logits.numpy()
+  assert got.shape == ref.shape == (*ids.shape, model.spec.vocab_size)
+  return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("preset", sorted(values.PRESETS))
+def test_the_folders_model_computes_bov_jax_logits(tmp_path, tok, texts, preset):
+  model, _, hf = exported(tmp_path, tok, preset)
+  assert type(hf).__name__ == "BovGPTForCausalLM"
+  assert logit_difference(model, hf, _batch(tok, texts)) <= TOLERANCE
+
+
+# One preset per kind of cache entry: none changed (baseline), a bank (table replace, its
+# table shared or per layer), V1 replaced or added, x0, a table added through the gate.
+DECODE_PRESETS = ["gpt_base", "gpt_base_v_from_value_emb_learn",
+                  "gpt_base_v_from_value_emb_learn_shared", "gpt_base_v_from_v1_learn",
+                  "gpt_base_add_init_v", "gpt_base_v_from_x0", "gpt_base_add_init_value_emb_nanogpt"]
+
+
+@pytest.mark.parametrize("preset", DECODE_PRESETS)
+def test_greedy_generate_gives_bov_jaxs_tokens_with_and_without_the_cache(tmp_path, tok,
+                                                                          texts, preset):
+  """transformers' generate, greedy, cache on and off, against bov_jax's cached decoding
+  (what --mode=sample runs) from the same prompt; bank layers cache no values."""
+  model, _, hf = exported(tmp_path, tok, preset)
+  graphdef, params = nnx.split(model)
+  prompt, n = tok.encode(texts[0])[:20], 24
+  want = inference.generate_cached(graphdef, params, prompt, n, CONTEXT)
+  with torch.no_grad():
+    out = [hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                       use_cache=c, return_dict_in_generate=True) for c in (True, False)]
+  for o in out:
+    assert o.sequences[0, len(prompt):].tolist() == want
+  cache = out[0].cache
+  for i, lv in enumerate(model.spec.layers):
+    stored = cache.layers[i].values
+    assert cache.layers[i].keys.shape[-2] == len(prompt) + n - 1
+    assert stored.shape[-1] == (model.spec.head_dim if lv.computes_v else 0), i
+  assert cache.ids.tolist() == [out[0].sequences[0, :-1].tolist()]
+
+
+def test_left_padded_batches_generate_what_each_prompt_generates_alone(tmp_path, tok, texts):
+  """A batch of prompts of different lengths, left-padded with an attention mask (as
+  lm-eval's hf model and pipelines batch them): each row's tokens are its own alone."""
+  _, out, hf = exported(tmp_path, tok, "gpt_base_v_from_value_emb_learn")
+  hf_tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+  hf_tok.padding_side = "left"
+  prompts = [t[:n] for t, n in zip(texts, (30, 70, 50))]
+  batch = hf_tok(prompts, return_tensors="pt", padding=True)
+  with torch.no_grad():
+    together = hf.generate(**batch, max_new_tokens=10, do_sample=False)[:, -10:]
+    for j, p in enumerate(prompts):
+      alone = hf.generate(**hf_tok([p], return_tensors="pt"), max_new_tokens=10, do_sample=False)
+      assert together[j].tolist() == alone[0, -10:].tolist(), j
+
+
+def test_the_folders_tokenizer_encodes_as_bov_jax(tmp_path, tok, texts):
+  """AutoTokenizer on the folder (transformers' own fast tokenizer: no custom code, with
+  or without trust_remote_code): bov_jax's ids, <|bos|> in front unless special tokens are
+  left out; <|bos|> is its bos, eos and padding token."""
+  _, out, _ = exported(tmp_path, tok, "gpt_base")
+  samples = texts + ["def f(x):\n    return x ** 2", "  ünïcode 12345 'll\n\n"]
+  for trust in (None, True):
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=trust)
+    assert hf_tok.bos_token == hf_tok.eos_token == hf_tok.pad_token == tok_lib.BOS
+    assert hf_tok.bos_token_id == tok.bos_id
+    for t in samples:
+      assert hf_tok(t)["input_ids"] == tok.encode(t)
+      assert hf_tok(t, add_special_tokens=False)["input_ids"] == tok.encode(t, bos=False)
+      assert hf_tok.decode(tok.encode(t, bos=False)) == t
