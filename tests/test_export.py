@@ -6,6 +6,7 @@ import pytest
 from flax import nnx
 
 from bov_jax.data import tokenizer as tok_lib
+from bov_jax.interop import export
 from bov_jax.model import gpt as model_lib
 from bov_jax.run import spec as spec_lib
 from bov_jax.store import checkpoint
@@ -50,6 +51,20 @@ def test_export_command_writes_the_folder_and_the_modes_read_it(copy_run, tmp_pa
     assert o.returncode == 0, o.stderr[-2000:]
   tokens = [json.loads(o.stdout.strip().splitlines()[-1])["tokens"] for o in outs]
   assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+  # and so does Hugging Face transformers, offline, with the modeling code the folder carries
+  folder = tmp_path / "hf"
+  assert {rundir.EXPORT_TOKENIZER_CONFIG, rundir.EXPORT_GENERATION, *export.HF_FILES} <= {
+      p.name for p in folder.iterdir()}
+  assert set(hf["auto_map"].values()) == set(export.AUTO_MAP.values())
+  import torch
+  import transformers
+  hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+      hf_dir, trust_remote_code=True, dtype=torch.float32, local_files_only=True)
+  hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+  ids = hf_tok("def f", return_tensors="pt").input_ids
+  assert ids[0].tolist() == tok.encode("def f")
+  greedy = hf_model.generate(ids, max_new_tokens=6, do_sample=False)
+  assert greedy[0, ids.shape[1]:].tolist() == tokens[1]
   # and --mode=eval: the folder's validation bpb is the run's (written beside each)
   outs = [command("main", f"--workdir={d}", "--mode=eval", "--config.train.eval_tokens=2048")
           for d in (wd, hf_dir)]

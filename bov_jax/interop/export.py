@@ -99,7 +99,7 @@ def model_card(m, metrics: list[dict], step: int) -> str:
   last = metrics[-1] if metrics else {}
   bpb = next((r["val_bpb"] for r in reversed(metrics) if "val_bpb" in r), None)
   core = next((r["core"] for r in reversed(metrics) if "core" in r), None)
-  lines = ["---", "library_name: bov_jax", "tags: [bov_jax, bank-of-values]", "---", "",
+  lines = ["---", "library_name: transformers", "tags: [bov_jax, bank-of-values]", "---", "",
            f"# bov_jax model: {mode.preset or 'custom value mode'}", "",
            "A GPT-style language model trained with bov_jax (Bank of Values), "
            f"{m.n_layer} layers, width {m.n_embd}, vocabulary "
@@ -109,9 +109,21 @@ def model_card(m, metrics: list[dict], step: int) -> str:
            f"- checkpoint step: {step}; tokens trained: {last.get('tokens', 'unknown')}",
            f"- final validation bits per byte: {bpb if bpb is not None else 'not measured'}",
            f"- CORE: {core if core is not None else 'not measured'}", "",
+           "## Use", "",
+           "With PyTorch and Hugging Face transformers 5 (the modeling code ships in this "
+           "folder, hence `trust_remote_code=True`):", "", "```python",
+           "from transformers import AutoModelForCausalLM, AutoTokenizer",
+           "model = AutoModelForCausalLM.from_pretrained(FOLDER, trust_remote_code=True)",
+           "tok = AutoTokenizer.from_pretrained(FOLDER)",
+           "ids = tok(\"The capital of France is\", return_tensors=\"pt\").input_ids",
+           "print(tok.decode(model.generate(ids, max_new_tokens=20, do_sample=False)[0]))",
+           "```", "",
+           "With bov_jax: `python -m bov_jax.main --workdir=FOLDER --mode=sample` (or "
+           "`--mode=eval`, `python -m bov_jax.lm_eval --workdir=FOLDER`).", "",
            "Files: `model.safetensors` (or its shards and index), `config.json`, "
            "`run_config.json` (the run's whole config), `tokenizer.json` (the `tokenizers` "
-           "library's format) and `tokenizer.pkl` (the authors' tiktoken file). "
+           "library's format) and `tokenizer.pkl` (the authors' tiktoken file), "
+           "`configuration_bov_gpt.py` and `modeling_bov_gpt.py` (the model in PyTorch). "
            "Tensor names: bov_jax's docs/design.md.", ""]
   return "\n".join(lines)
 
