@@ -3,7 +3,7 @@
 
   python -m bov_jax.lm_eval --workdir=DIR --tasks=hellaswag,arc_easy [--num_fewshot=N]
       [--limit=N] [--include_path=DIR] [--output=FILE] [--batch_size=32]
-      [--max_gen_toks=256] [--seed=0]
+      [--max_gen_toks=256] [--seed=0] [--log_samples]
 
 FILE (default DIR/lm_eval.json) gets lm-eval's results; stdout one summary JSON line.
 """
@@ -31,6 +31,8 @@ _OUTPUT = flags.DEFINE_string("output", None, "the results JSON (default: WORKDI
 _BATCH = flags.DEFINE_integer("batch_size", 32, "rows scored or generated at once")
 _MAX_GEN = flags.DEFINE_integer("max_gen_toks", 256, "generate_until's default token budget")
 _SEED = flags.DEFINE_integer("seed", 0, "lm-eval's seeds (few-shot sampling) and the sampling key")
+_LOG_SAMPLES = flags.DEFINE_bool("log_samples", False, "FILE also gets every request and the "
+                                 "model's responses (`samples`, as lm-eval's --log_samples)")
 
 
 def main(argv) -> int:
@@ -41,7 +43,8 @@ def main(argv) -> int:
   try:
     record = harness.evaluate(_WORKDIR.value, _TASKS.value or [], _FEWSHOT.value, _LIMIT.value,
                               _INCLUDE.value, _OUTPUT.value, _BATCH.value, _MAX_GEN.value,
-                              _SEED.value, log=lambda s: print(s, file=sys.stderr))
+                              _SEED.value, _LOG_SAMPLES.value,
+                              log=lambda s: print(s, file=sys.stderr))
   except (ValueError, OSError) as e:  # bad input (2), or the environment failed (1)
     return cli.failed(e)
   print(json.dumps(record), flush=True)

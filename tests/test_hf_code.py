@@ -1,12 +1,17 @@
 """interop/hf_code/: the PyTorch model an exported folder carries, loaded by Hugging Face
 transformers from the folder (trust_remote_code), against bov_jax in float32: the same
 logits for every preset, the same greedy tokens as bov_jax's cached decoding, with the
-cache on or off, and a cache that keeps no values for bank layers."""
+cache on or off, and a cache that keeps no values for bank layers; lm-eval's own hf model
+on the folder agrees with bov_jax.lm_eval."""
+import json
+import os
+
 import numpy as np
 import pytest
 import torch
 import transformers
 from flax import nnx
+from lm_eval.tasks import TaskManager
 
 from bov_jax.data import corpus
 from bov_jax.data import tokenizer as tok_lib
@@ -15,10 +20,12 @@ from bov_jax.interop import export
 from bov_jax.settings import values
 from bov_jax.store import checkpoint
 from bov_jax.store import rundir
+from tests.helpers import ROOT
 from tests.helpers import random_model
 from tests.helpers import small_config
 
 CONTEXT = 64
+TASKS = os.path.join(ROOT, "tests", "data", "lm_eval")
 TOLERANCE = 1e-5  # the largest logit difference, relative to the largest logit
 
 
@@ -131,3 +138,51 @@ def test_the_folders_tokenizer_encodes_as_bov_jax(tmp_path, tok, texts):
       assert hf_tok(t)["input_ids"] == tok.encode(t)
       assert hf_tok(t, add_special_tokens=False)["input_ids"] == tok.encode(t, bos=False)
       assert hf_tok.decode(tok.encode(t, bos=False)) == t
+
+
+LM_EVAL_TASKS = ["bov_tiny_mc", "bov_tiny_gen", "bov_tiny_ppl"]  # tests/data/lm_eval
+
+
+def test_lm_evals_own_hf_model_on_the_folder_agrees_with_bov_jax_lm_eval(tmp_path, tok):
+  """lm-eval's `hf` model (the folder loaded by transformers, as `lm_eval --model hf
+  --model_args pretrained=FOLDER,trust_remote_code=True` runs it) and `bov_jax.lm_eval` on
+  the same folder: the same accuracies, each request's log-likelihood within 1e-4 and the
+  same greedy answer, the same generated text. The rolling log-likelihoods differ by
+  lm-eval's own choice: its hf model scores the tokenizer's <|bos|> after its prefix
+  <|bos|>, which bov_jax scores once (the hf numbers are bov_jax's on those tokens)."""
+  from lm_eval import evaluator
+  from lm_eval import utils as lm_utils
+
+  from bov_jax.evaluation import harness
+  _, out, _ = exported(tmp_path, tok, "gpt_base_v_from_value_emb_learn")
+  record = harness.evaluate(out, LM_EVAL_TASKS, include_path=TASKS, batch_size=8,
+                            output=str(tmp_path / "bov.json"), log_samples=True, log=lambda s: s)
+  bov = json.loads((tmp_path / "bov.json").read_text())
+  hf = evaluator.simple_evaluate(
+      model="hf", model_args=f"pretrained={out},trust_remote_code=True", device="cpu",
+      batch_size=8, tasks=LM_EVAL_TASKS, task_manager=TaskManager(include_path=TASKS),
+      log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
+      fewshot_random_seed=0)
+  accuracies = {(t, m) for t in ("bov_tiny_mc", "bov_tiny_gen")
+                for m in record["results"][t]
+                if m.startswith(("acc", "exact_match")) and "_stderr" not in m}
+  assert len(accuracies) == 3  # acc, acc_norm, exact_match
+  for t, m in accuracies:
+    assert record["results"][t][m] == hf["results"][t][m], (t, m)
+  mc = [(s["doc_id"], s["resps"]) for s in bov["samples"]["bov_tiny_mc"]]
+  hf_mc = {s["doc_id"]: s["resps"] for s in hf["samples"]["bov_tiny_mc"]}
+  assert len(mc) == 24
+  for doc, resps in mc:
+    for ((ll, greedy),), ((hf_ll, hf_greedy),) in zip(resps, hf_mc[doc], strict=True):
+      assert abs(ll - hf_ll) <= 1e-4 and greedy == hf_greedy, doc
+  text = {s["doc_id"]: s["resps"] for s in bov["samples"]["bov_tiny_gen"]}
+  assert {s["doc_id"]: s["resps"] for s in hf["samples"]["bov_tiny_gen"]} == text
+  assert any(r[0][0] for r in text.values())  # something was generated
+  lm = harness.BovLM(out, batch_size=8)
+  for s in hf["samples"]["bov_tiny_ppl"]:
+    (text_,), ((hf_ll,),) = s["arguments"][0], s["resps"]
+    windows = map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
+        token_list=tok.encode(text_), prefix_token=tok.bos_id, max_seq_len=CONTEXT,
+        context_len=1))
+    want = sum(ll for ll, _ in lm._loglikelihood_tokens([(None, *w) for w in windows]))
+    assert abs(hf_ll - want) <= 1e-4

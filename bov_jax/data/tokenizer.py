@@ -66,8 +66,17 @@ class Tokenizer:
       return np.concatenate([head, ids]) if bos else ids
     return list(_pool().map(one, texts, chunksize=16))
 
-  def decode(self, ids) -> str:
-    return self.enc.decode([int(i) for i in ids])
+  def decode(self, ids, special: bool = True) -> str:
+    """The text of `ids`; special=False leaves the special tokens out (as transformers'
+    decode(skip_special_tokens=True), which lm-eval's hf model decodes with)."""
+    ids = [int(i) for i in ids]
+    if not special:
+      ids = [i for i in ids if i not in self.special_ids]
+    return self.enc.decode(ids)
+
+  @functools.cached_property
+  def special_ids(self) -> frozenset[int]:
+    return frozenset(self.enc.encode_single_token(s) for s in self.enc.special_tokens_set)
 
   @functools.cache  # noqa: B019 - a tokenizer lives as long as its run
   def token_bytes(self) -> np.ndarray:

@@ -11,7 +11,8 @@ computing what lm-eval's own `hf` model computes:
                          of model.sequence_len tokens, the first after <|bos|>
   generate_until         `inference.stream` over the cache, the context cut from the left
                          to leave max_gen_toks; stop strings (and <|bos|>, the end of a
-                         document) checked between chunks of decode steps
+                         document) checked between chunks of decode steps; the text
+                         decoded without special tokens
 Rows are scored by core.Scorer, CORE's batching (longest first, bucketed shapes), and
 prompts padded to the same buckets, so nothing recompiles per request. One process; the
 model is placed on this host's devices by the run's mesh settings.
@@ -95,6 +96,10 @@ class BovLM(TemplateLM):
 
   def tok_decode(self, tokens, **kwargs) -> str:
     return self.tok.decode(tokens)
+
+  def _decode(self, tokens) -> str:
+    """Generated text without special tokens, as lm-eval's hf model decodes it."""
+    return self.tok.decode(tokens, special=False)
 
   def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
     """[(request, context ids, continuation ids)] -> [(log-probability, is greedy)]."""
@@ -195,13 +200,13 @@ class BovLM(TemplateLM):
     return [self._text(t, until) for t in new]
 
   def _stopped(self, tokens: list[int], until: list[str]) -> bool:
-    return self.tok.bos_id in tokens or any(s in self.tok.decode(tokens) for s in until)
+    return self.tok.bos_id in tokens or any(s in self._decode(tokens) for s in until)
 
   def _text(self, tokens: list[int], until: list[str]) -> str:
     """The generated text up to <|bos|> and the first stop string (neither included)."""
     if self.tok.bos_id in tokens:
       tokens = tokens[:tokens.index(self.tok.bos_id)]
-    text = self.tok.decode(tokens)
+    text = self._decode(tokens)
     for s in until:
       text = text.split(s, 1)[0]
     return text
@@ -227,8 +232,10 @@ def check_tasks(manager, tasks: list[str]) -> None:
 def evaluate(workdir: str, tasks: list[str], num_fewshot: int | None = None,
              limit: float | None = None, include_path: str | None = None,
              output: str | None = None, batch_size: int = 32, max_gen_toks: int = 256,
-             seed: int = 0, log=print) -> dict:
-  """Runs lm-eval's evaluator on the tasks; writes FILE; returns the summary record."""
+             seed: int = 0, log_samples: bool = False, log=print) -> dict:
+  """Runs lm-eval's evaluator on the tasks; writes FILE (with log_samples, lm-eval's
+  `samples`: every request's arguments and the model's responses); returns the summary
+  record."""
   extras.require("lm_eval", "eval", "bov_jax.lm_eval")
   from etils import epath
   from lm_eval import evaluator
@@ -240,7 +247,7 @@ def evaluate(workdir: str, tasks: list[str], num_fewshot: int | None = None,
   lm = BovLM(workdir, batch_size=batch_size, max_gen_toks=max_gen_toks, seed=seed)
   results = evaluator.simple_evaluate(
       model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-      log_samples=False, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+      log_samples=log_samples, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
       fewshot_random_seed=seed)
   results["bov_jax"] = {"workdir": workdir, "step": int(lm.step)}
   path = epath.Path(output) if output else rundir.path(workdir) / rundir.LM_EVAL
