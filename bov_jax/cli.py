@@ -114,6 +114,55 @@ def cpu_when_no_accelerator() -> None:
     sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
+class Distributed:
+  """The flags that start JAX's multi-process runtime, for the commands started on every
+  host (main, lm_eval): flags win over JAX's environment variables; what neither gives is
+  left to JAX's cluster detection (TPU pods, SLURM)."""
+
+  def __init__(self):
+    self.wanted = flags.DEFINE_enum(
+        "distributed", "auto", ("auto", "true", "false"),
+        "Start JAX's multi-process runtime (auto: when a coordinator is given, or on a "
+        "multi-host TPU pod or a SLURM job of several tasks).")
+    self.coordinator = flags.DEFINE_string(
+        "coordinator_address", None, "host:port of process 0's coordinator (default: "
+        "JAX_COORDINATOR_ADDRESS, or what the cluster says on TPU pods and SLURM).")
+    self.num_processes = flags.DEFINE_integer(
+        "num_processes", None,
+        "Processes in the run (default: JAX_NUM_PROCESSES, or the cluster's).")
+    self.process_id = flags.DEFINE_integer(
+        "process_id", None, "This process's index (default: JAX_PROCESS_ID, or the cluster's).")
+
+  def settings(self, environ=os.environ) -> dict | None:
+    """jax.distributed.initialize's arguments for this process, or None for a single one."""
+    def pick(flag, var, kind):
+      if flag.value is not None:
+        return flag.value
+      return kind(environ[var]) if var in environ else None
+    args = {"coordinator_address": pick(self.coordinator, "JAX_COORDINATOR_ADDRESS", str),
+            "num_processes": pick(self.num_processes, "JAX_NUM_PROCESSES", int),
+            "process_id": pick(self.process_id, "JAX_PROCESS_ID", int)}
+    on_cluster = ("," in environ.get("TPU_WORKER_HOSTNAMES", "")
+                  or int(environ.get("SLURM_NTASKS", "1")) > 1)
+    wanted = {"true": True, "false": False}.get(
+        self.wanted.value, args["coordinator_address"] is not None or on_cluster)
+    if not wanted or args["num_processes"] == 1:
+      return None
+    return args
+
+  def start(self) -> None:
+    """jax.distributed.initialize where settings() asks for it, with CPU collectives
+    (gloo) where the processes compute on the CPU: XLA's CPU backend has no
+    cross-process collectives of its own."""
+    args = self.settings()
+    if args is None:
+      return
+    import jax  # not at the top: main re-executes itself before JAX starts (hostmem)
+    if hostmem.cpu_only():
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**args)
+
+
 def _guarded(main, argv):
   _quiet()
   try:

@@ -31,46 +31,7 @@ _TOPOLOGY = flags.DEFINE_string(
     "(v5p-64, v5e-16 or v5litepod-16, v6e-8, v4-32, ...).")
 _PROGRAMS = flags.DEFINE_list(
     "programs", ["train", "eval", "decode"], "--mode=compile: which programs to compile.")
-_DISTRIBUTED = flags.DEFINE_enum(
-    "distributed", "auto", ("auto", "true", "false"),
-    "Start JAX's multi-process runtime (auto: when a coordinator is given, or on a "
-    "multi-host TPU pod or a SLURM job of several tasks).")
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "host:port of process 0's coordinator (default: "
-    "JAX_COORDINATOR_ADDRESS, or what the cluster says on TPU pods and SLURM).")
-_NUM_PROCESSES = flags.DEFINE_integer(
-    "num_processes", None, "Processes in the run (default: JAX_NUM_PROCESSES, or the cluster's).")
-_PROCESS_ID = flags.DEFINE_integer(
-    "process_id", None, "This process's index (default: JAX_PROCESS_ID, or the cluster's).")
-
-
-def distributed_settings(environ=os.environ) -> dict | None:
-  """jax.distributed.initialize's arguments for this process, or None for a single
-  process. Flags win over JAX's environment variables; what neither gives is left to
-  JAX's cluster detection (TPU pods, SLURM)."""
-  def pick(flag, var, kind):
-    if flag.value is not None:
-      return flag.value
-    return kind(environ[var]) if var in environ else None
-  args = {"coordinator_address": pick(_COORDINATOR, "JAX_COORDINATOR_ADDRESS", str),
-          "num_processes": pick(_NUM_PROCESSES, "JAX_NUM_PROCESSES", int),
-          "process_id": pick(_PROCESS_ID, "JAX_PROCESS_ID", int)}
-  on_cluster = ("," in environ.get("TPU_WORKER_HOSTNAMES", "")
-                or int(environ.get("SLURM_NTASKS", "1")) > 1)
-  wanted = {"true": True, "false": False}.get(
-      _DISTRIBUTED.value, args["coordinator_address"] is not None or on_cluster)
-  if not wanted or args["num_processes"] == 1:
-    return None
-  return args
-
-
-def start_distributed(args: dict) -> None:
-  """jax.distributed.initialize, with CPU collectives (gloo) where the processes compute
-  on the CPU: XLA's CPU backend has no cross-process collectives of its own."""
-  import jax  # not at the top: the process re-executes itself before JAX starts (hostmem)
-  if hostmem.cpu_only():
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(**args)
+_DISTRIBUTED = cli.Distributed()
 
 
 def _override_keys(argv) -> list[str]:
@@ -115,9 +76,8 @@ def main(argv):
   except ValueError as e:  # the run directory is not one (a file, say)
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  dist = distributed_settings() if _MODE.value not in ("plan", "compile") else None
-  if dist is not None:
-    start_distributed(dist)
+  if _MODE.value not in ("plan", "compile"):
+    _DISTRIBUTED.start()
   sys.exit(run_mode(_MODE.value, cfg, _WORKDIR.value))
 
 

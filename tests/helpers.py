@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import socket
 import struct
 import subprocess
 import sys
@@ -339,6 +340,13 @@ def command_env(devices: int | None = None, **extra) -> dict:
     else:
       env[k] = str(v)
   return env
+
+
+def free_port() -> int:
+  """A TCP port free on this host, for the coordinator of a multi-process command."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
 
 
 def _argv(module: str, args) -> list[str]:

@@ -2,6 +2,7 @@
 folder; its numbers are the model's own."""
 import json
 import os
+import subprocess
 
 import jax
 import numpy as np
@@ -19,8 +20,11 @@ from bov_jax.store import checkpoint
 from bov_jax.store import rundir
 from tests.helpers import ROOT
 from tests.helpers import command
+from tests.helpers import command_env
+from tests.helpers import free_port
 from tests.helpers import random_model
 from tests.helpers import small_config
+from tests.helpers import start
 
 TASKS = os.path.join(ROOT, "tests", "data", "lm_eval")
 CONTEXT = 64
@@ -73,11 +77,11 @@ def _rolling_rows(tok, text, L):
   """Disjoint windows of L predictions; each sees up to L tokens before its last one."""
   seq = [tok.bos_id] + tok.encode(text, bos=False)
   rows = []
-  for start in range(0, len(seq) - 1, L):
-    end = min(start + L, len(seq) - 1)
+  for first in range(0, len(seq) - 1, L):
+    end = min(first + L, len(seq) - 1)
     lo = max(0, end - L)
     inputs, targets = seq[lo:end], seq[lo + 1:end + 1]
-    rows.append((inputs, [t if lo + 1 + i > start else -1 for i, t in enumerate(targets)]))
+    rows.append((inputs, [t if lo + 1 + i > first else -1 for i, t in enumerate(targets)]))
   return rows
 
 
@@ -198,6 +202,65 @@ def test_the_command_runs_local_tasks_offline(run, tmp_path):
   assert "exact_match,none" in results["results"]["bov_tiny_gen"]
   assert results["results"]["bov_tiny_ppl"]["bits_per_byte,none"] > 0
   assert summary["step"] == 7 and results["bov_jax"]["step"] == 7
+
+
+def test_the_processes_share_the_requests_in_turn(lm, monkeypatch):
+  """Process p of P runs every P-th request from p; each gets all the answers, in order."""
+  items = list(range(7))
+  monkeypatch.setattr(jax, "process_count", lambda: 3)
+
+  def allgather(share):  # this process's answers, and the others' by the same rule
+    assert share == [10 * i for i in items[jax.process_index()::3]]
+    return [[10 * i for i in items[q::3]] for q in range(3)]
+  monkeypatch.setattr(lm_eval.process, "allgather", allgather)
+  for p, mine in enumerate([[0, 3, 6], [1, 4], [2, 5]]):
+    monkeypatch.setattr(jax, "process_index", lambda p=p: p)
+    seen = []
+    out = lm._shared(lambda share: seen.extend(share) or [10 * i for i in share], items)
+    assert out == [0, 10, 20, 30, 40, 50, 60] and seen == mine
+
+
+@pytest.mark.slow  # three lm-eval commands
+def test_two_processes_give_one_process_results_and_process_0_writes(run, tmp_path):
+  """The command started on both processes of a two-process run (gloo, a coordinator on
+  this host) against one process on the same exported folder: the same accuracies and
+  answers (log-likelihoods within 1e-5: batches of other rows); FILE and the summary line
+  come from process 0 alone."""
+  from bov_jax.interop import export
+  folder = str(tmp_path / "hf")
+  export.export(run[0], folder)
+  args = [f"--workdir={folder}", "--tasks=bov_tiny_mc,bov_tiny_gen,bov_tiny_ppl",
+          f"--include_path={TASKS}", "--batch_size=8", "--log_samples"]
+  offline = {"HF_HUB_OFFLINE": 1, "HF_DATASETS_OFFLINE": 1, "HF_HOME": tmp_path / "hf_home"}
+  port = free_port()
+  two = [start("lm_eval", *args, f"--output={tmp_path / 'two.json'}",
+               f"--coordinator_address=localhost:{port}", "--num_processes=2",
+               env=command_env(1, JAX_PROCESS_ID=i, **offline), stderr=subprocess.PIPE)
+         for i in range(2)]
+  one = command("lm_eval", *args, f"--output={tmp_path / 'one.json'}",
+                env=command_env(1, **offline))
+  outs = [p.communicate(timeout=600) for p in two]
+  assert one.returncode == 0, one.stderr[-3000:]
+  assert [p.returncode for p in two] == [0, 0], [e[-3000:] for _, e in outs]
+  lines = [[x for x in out.splitlines() if not x.startswith("[Gloo]")] for out, _ in outs]
+  assert len(lines[0]) == 1 and json.loads(lines[0][0])["step"] == 7 and lines[1] == []
+  got, want = (json.loads((tmp_path / f).read_text()) for f in ("two.json", "one.json"))
+  for task, metrics in want["results"].items():
+    for m, v in metrics.items():
+      if isinstance(v, float) and "bits" not in m and "perplexity" not in m:
+        assert got["results"][task][m] == v, (task, m)
+      elif isinstance(v, float):
+        assert got["results"][task][m] == pytest.approx(v, rel=1e-6), (task, m)
+  for task, samples in want["samples"].items():
+    mine = {s["doc_id"]: s["resps"] for s in got["samples"][task]}
+    assert sorted(mine) == sorted(s["doc_id"] for s in samples)
+    for s in samples:
+      for (a,), (b,) in zip(s["resps"], mine[s["doc_id"]], strict=True):
+        if isinstance(a, str):
+          assert a == b
+        else:
+          a, b = (a, b) if isinstance(a, list) else ([a], [b])
+          assert a[0] == pytest.approx(b[0], abs=1e-5) and a[1:] == b[1:]
 
 
 def test_unknown_tasks_are_refused_by_name():

@@ -5,7 +5,6 @@ agrees on. `pytest -k multiprocess` runs these."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 
@@ -14,18 +13,13 @@ import pytest
 from tests.helpers import TINY_RUN
 from tests.helpers import command
 from tests.helpers import command_env
+from tests.helpers import free_port
 from tests.helpers import start
 
 pytestmark = pytest.mark.slow  # several processes: end-to-end runs
 
 TINY = ["--config=configs/tiny.py", *TINY_RUN, "--config.train.eval_every=100", "--config.train.checkpoint_every=100",
         "--config.train.log_every=1", "--config.train.sample_tokens=0"]
-
-
-def _port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _start(args, n: int, port: int, module="bov_jax.main"):
@@ -65,7 +59,7 @@ def _metrics(wd):
 def test_multiprocess_step_and_data_equal_one_process():
   """A train step fed the same global batch: two processes of two devices give the loss
   and parameters of one process of four (1e-5); each process reads its own row groups."""
-  port = _port()
+  port = free_port()
   procs = [start("tests.mp_step", 2, i, port, devices=2, stderr=subprocess.PIPE)
            for i in range(2)]
   one = command("tests.mp_step", 1, 0, 0, devices=4, timeout=300)
@@ -102,7 +96,7 @@ def test_multiprocess_training_checkpoints_across_process_counts_and_preemption(
   # two processes train, as one command line each; only process 0 writes and prints. Side
   # by side (independent runs, each waits on its own), one process of four devices trains
   # the same.
-  started = _start([f"--workdir={two}", *TINY, *steps], 2, _port())
+  started = _start([f"--workdir={two}", *TINY, *steps], 2, free_port())
   alone = _one_started([f"--workdir={one}", *TINY, *steps], one)
   codes, outs, errs = _finish(started)
   assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
@@ -121,14 +115,14 @@ def test_multiprocess_training_checkpoints_across_process_counts_and_preemption(
   # (side by side again)
   more = ["--config.train.num_iterations=14", *tokenizer]
   alone = _one_started([f"--workdir={two}", *TINY, *more], two)
-  codes, outs, errs = _finish(_start([f"--workdir={one}", *TINY, *more], 2, _port()))
+  codes, outs, errs = _finish(_start([f"--workdir={one}", *TINY, *more], 2, free_port()))
   assert codes == [0, 0] and "resumed from" in outs[0], errs[0][-3000:]
   assert _metrics(one)[-1]["step"] == 14
   code, out, err = _collect(alone, two)
   assert code == 0 and "resumed from" in out, err[-3000:]
   assert _metrics(two)[-1]["step"] == 14
   # SIGTERM to process 1 alone: both stop after the same step, one checkpoint, exit 75
-  procs = _start([f"--workdir={pre}", *TINY, *steps], 2, _port())
+  procs = _start([f"--workdir={pre}", *TINY, *steps], 2, free_port())
   for line in procs[0].stdout:
     if line.startswith("step 2/"):
       procs[1].send_signal(signal.SIGTERM)
@@ -142,7 +136,7 @@ def test_multiprocess_training_checkpoints_across_process_counts_and_preemption(
   assert 2 < stopped <= 2 + 3  # within the step in flight and the next (read one step late)
   print(f"stopped at step {stopped}, {time.time() - t0:.1f} s after the signal")
   # the same command resumes, and the losses are the uninterrupted run's
-  codes, outs, errs = _finish(_start([f"--workdir={pre}", *TINY, *steps], 2, _port()))
+  codes, outs, errs = _finish(_start([f"--workdir={pre}", *TINY, *steps], 2, free_port()))
   assert codes == [0, 0] and f"checkpoints/{stopped}" in outs[0], errs[0][-3000:]
   want = {r["step"]: r for r in m2}
   for r in _metrics(pre):

@@ -14,8 +14,11 @@ computing what lm-eval's own `hf` model computes:
                          document) checked between chunks of decode steps; the text
                          decoded without special tokens
 Rows are scored by core.Scorer, CORE's batching (longest first, bucketed shapes), and
-prompts padded to the same buckets, so nothing recompiles per request. One process; the
-model is placed on this host's devices by the run's mesh settings.
+prompts padded to the same buckets, so nothing recompiles per request. The model is placed
+on this host's devices by the run's mesh settings. Started on every process of a
+multi-process run, each process holds a whole copy of the model and takes every P-th
+request (lm-eval builds the same requests in each); the answers are gathered to every
+process, so each computes the same metrics, and process 0 alone writes FILE.
 
 FILE (default DIR/lm_eval.json) is the JSON lm-eval's evaluator returns
 (`results.<task>.acc,none`, ...), with the run's step; stdout gets one summary line. Tasks
@@ -38,6 +41,7 @@ from bov_jax.model import params as params_lib
 from bov_jax.parallel import sharding
 from bov_jax.run import spec as spec_lib
 from bov_jax.runtime import extras
+from bov_jax.runtime import process
 from bov_jax.store import rundir
 
 try:
@@ -61,9 +65,10 @@ class BovLM(TemplateLM):
     if batch_size < 1 or max_gen_toks < 1 or decode_chunk < 1:
       raise ValueError(f"--batch_size={batch_size}, --max_gen_toks={max_gen_toks} and the "
                        f"decode chunk {decode_chunk} must be positive")
-    spec = spec_lib.resolve(cfg, n_devices=jax.device_count())
+    # this host's devices: the processes score different requests, so none waits on another
+    spec = spec_lib.resolve(cfg, n_devices=jax.local_device_count())
     self.spec, self.workdir = spec, workdir
-    self.mesh = sharding.make_mesh(spec.mesh)
+    self.mesh = sharding.make_mesh(spec.mesh, jax.local_devices())
     self.tok = sources.tokenizer(spec, workdir)
     with jax.set_mesh(self.mesh):
       self.step, self.graphdef, self.params = params_lib.restore(spec, workdir, self.mesh)
@@ -110,15 +115,28 @@ class BovLM(TemplateLM):
                          f"continuation tokens (need both, continuation <= {self.max_length})")
       rows.append((context + continuation)[-(self.max_length + 1):])
       conts.append(len(continuation))
-    with jax.set_mesh(self.mesh):
-      scored = self.scorer(rows)
-    out = []
-    for (request, _, _), row, n, (nll, pred) in zip(requests, rows, conts, scored):
-      answer = (-float(np.sum(nll[-n:], dtype=np.float64)),
-                bool(np.all(pred[-n:] == np.asarray(row[-n:]))))
+    out = self._shared(self._score, list(zip(rows, conts)))
+    for (request, _, _), answer in zip(requests, out):
       if request is not None:
         self.cache_hook.add_partial("loglikelihood", request, answer)
-      out.append(answer)
+    return out
+
+  def _score(self, rows: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
+    """[(row, continuation length)] -> [(log-probability, is greedy)], on this process."""
+    with jax.set_mesh(self.mesh):
+      scored = self.scorer([row for row, _ in rows])
+    return [(-float(np.sum(nll[-n:], dtype=np.float64)),
+             bool(np.all(pred[-n:] == np.asarray(row[-n:]))))
+            for (row, n), (nll, pred) in zip(rows, scored)]
+
+  def _shared(self, fn, items: list) -> list:
+    """fn(items) with the work shared by the processes: each runs fn on every P-th item
+    from its own index; every process gets all the answers, in items' order."""
+    n = jax.process_count()
+    shares = process.allgather(fn(items[jax.process_index()::n]) if items else [])
+    out = [None] * len(items)
+    for p, share in enumerate(shares):
+      out[p::n] = share
     return out
 
   def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -137,22 +155,27 @@ class BovLM(TemplateLM):
     return totals
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-    """Greedy (or, with do_sample, sampled) continuations, batched per generation
-    setting, longest prompts first."""
+    """Greedy (or, with do_sample, sampled) continuations."""
+    out = self._shared(self._generate_all, [r.args for r in requests])
+    for args, text in zip((r.args for r in requests), out):
+      self.cache_hook.add_partial("generate_until", args, text)
+    return out
+
+  def _generate_all(self, requests: list[tuple[str, dict]]) -> list[str]:
+    """[(context, generation settings)] -> texts, on this process, batched per
+    generation setting, longest prompts first."""
     groups = {}
-    for i, r in enumerate(requests):
-      context, kwargs = r.args
+    for i, (_, kwargs) in enumerate(requests):
       groups.setdefault(json.dumps(kwargs or {}, sort_keys=True, default=str), []).append(i)
     out = [None] * len(requests)
     for key, members in groups.items():
       settings = self._generation_settings(json.loads(key))
-      prompts = {i: self._prompt(requests[i].args[0], settings["max_gen_toks"]) for i in members}
+      prompts = {i: self._prompt(requests[i][0], settings["max_gen_toks"]) for i in members}
       members.sort(key=lambda i: -len(prompts[i]))
       for k in range(0, len(members), self.batch_size):
         batch = members[k:k + self.batch_size]
         for i, text in zip(batch, self._generate([prompts[i] for i in batch], **settings)):
           out[i] = text
-          self.cache_hook.add_partial("generate_until", requests[i].args, text)
     return out
 
   # -- generation -----------------------------------------------------------------------
@@ -251,7 +274,7 @@ def evaluate(workdir: str, tasks: list[str], num_fewshot: int | None = None,
       fewshot_random_seed=seed)
   results["bov_jax"] = {"workdir": workdir, "step": int(lm.step)}
   path = epath.Path(output) if output else rundir.path(workdir) / rundir.LM_EVAL
-  path.write_text(json.dumps(results, indent=2, default=lm_utils.handle_non_serializable))
-  from lm_eval.utils import make_table
-  log(make_table(results))
+  if process.is_main():  # every process has the same results
+    path.write_text(json.dumps(results, indent=2, default=lm_utils.handle_non_serializable))
+    log(lm_utils.make_table(results))
   return {"step": int(lm.step), "output": str(path), "results": summary(results)}

@@ -1,12 +1,15 @@
-"""What a process sets up before a mode runs (JAX's compilation cache), and the one place
-that says who prints."""
+"""What a process sets up before a mode runs (JAX's compilation cache), the one place
+that says who prints, and what the processes of a run hand each other."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 
 def is_main() -> bool:
@@ -17,6 +20,20 @@ def log(msg: str) -> None:
   """A progress line, from process 0 only."""
   if is_main():
     print(msg, flush=True)
+
+
+def allgather(share) -> list:
+  """Every process's `share` (any picklable value), in process order, on every process.
+  JAX gathers arrays, not Python values: each travels pickled, as bytes padded to the
+  longest."""
+  if jax.process_count() == 1:
+    return [share]
+  data = np.frombuffer(pickle.dumps(share), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.asarray(data.size, np.int64)))
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:data.size] = data
+  every = np.asarray(multihost_utils.process_allgather(padded))
+  return [pickle.loads(every[p, :n].tobytes()) for p, n in enumerate(sizes)]
 
 
 def use_compile_cache(path: str) -> None:
