@@ -74,10 +74,14 @@ def logit_difference(model, hf, ids) -> float:
 
 
 @pytest.mark.parametrize("preset", sorted(values.PRESETS))
-def test_the_folders_model_computes_bov_jax_logits(tmp_path, tok, texts, preset):
+def test_the_folders_model_computes_bov_jax_logits(tmp_path, tok, texts, preset,
+                                                  record_property):
+  """(The measured difference is kept in --junitxml's report: docs/interop.md.)"""
   model, _, hf = exported(tmp_path, tok, preset)
   assert type(hf).__name__ == "BovGPTForCausalLM"
-  assert logit_difference(model, hf, _batch(tok, texts)) <= TOLERANCE
+  difference = logit_difference(model, hf, _batch(tok, texts))
+  record_property("logit_difference", difference)
+  assert difference <= TOLERANCE
 
 
 # One preset per kind of cache entry: none changed (baseline), a bank (table replace, its
@@ -143,7 +147,8 @@ def test_the_folders_tokenizer_encodes_as_bov_jax(tmp_path, tok, texts):
 LM_EVAL_TASKS = ["bov_tiny_mc", "bov_tiny_gen", "bov_tiny_ppl"]  # tests/data/lm_eval
 
 
-def test_lm_evals_own_hf_model_on_the_folder_agrees_with_bov_jax_lm_eval(tmp_path, tok):
+def test_lm_evals_own_hf_model_on_the_folder_agrees_with_bov_jax_lm_eval(tmp_path, tok,
+                                                                        record_property):
   """lm-eval's `hf` model (the folder loaded by transformers, as `lm_eval --model hf
   --model_args pretrained=FOLDER,trust_remote_code=True` runs it) and `bov_jax.lm_eval` on
   the same folder: the same accuracies, each request's log-likelihood within 1e-4 and the
@@ -167,14 +172,18 @@ def test_lm_evals_own_hf_model_on_the_folder_agrees_with_bov_jax_lm_eval(tmp_pat
                 for m in record["results"][t]
                 if m.startswith(("acc", "exact_match")) and "_stderr" not in m}
   assert len(accuracies) == 3  # acc, acc_norm, exact_match
-  for t, m in accuracies:
+  for t, m in sorted(accuracies):
+    record_property(f"{t} {m}", f"bov_jax {record['results'][t][m]} hf {hf['results'][t][m]}")
     assert record["results"][t][m] == hf["results"][t][m], (t, m)
   mc = [(s["doc_id"], s["resps"]) for s in bov["samples"]["bov_tiny_mc"]]
   hf_mc = {s["doc_id"]: s["resps"] for s in hf["samples"]["bov_tiny_mc"]}
   assert len(mc) == 24
+  worst = 0.0
   for doc, resps in mc:
     for ((ll, greedy),), ((hf_ll, hf_greedy),) in zip(resps, hf_mc[doc], strict=True):
+      worst = max(worst, abs(ll - hf_ll))
       assert abs(ll - hf_ll) <= 1e-4 and greedy == hf_greedy, doc
+  record_property("largest log-likelihood difference", worst)
   text = {s["doc_id"]: s["resps"] for s in bov["samples"]["bov_tiny_gen"]}
   assert {s["doc_id"]: s["resps"] for s in hf["samples"]["bov_tiny_gen"]} == text
   assert any(r[0][0] for r in text.values())  # something was generated
