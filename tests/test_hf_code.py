@@ -130,12 +130,13 @@ def test_left_padded_batches_generate_what_each_prompt_generates_alone(tmp_path,
 
 def test_the_folders_tokenizer_encodes_as_bov_jax(tmp_path, tok, texts):
   """AutoTokenizer on the folder (transformers' own fast tokenizer: no custom code, with
-  or without trust_remote_code): bov_jax's ids, <|bos|> in front unless special tokens are
+  or without trust_remote_code), and that class alone: bov_jax's ids, <|bos|> in front unless special tokens are
   left out; <|bos|> is its bos, eos and padding token."""
   _, out, _ = exported(tmp_path, tok, "gpt_base")
   samples = texts + ["def f(x):\n    return x ** 2", "  ünïcode 12345 'll\n\n"]
-  for trust in (None, True):
-    hf_tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=trust)
+  loaded = [transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=trust)
+            for trust in (None, True)]  # None: not at a terminal, it goes on without the code
+  for hf_tok in [*loaded, transformers.PreTrainedTokenizerFast.from_pretrained(out)]:
     assert hf_tok.bos_token == hf_tok.eos_token == hf_tok.pad_token == tok_lib.BOS
     assert hf_tok.bos_token_id == tok.bos_id
     for t in samples:

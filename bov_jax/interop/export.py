@@ -114,7 +114,7 @@ def model_card(m, metrics: list[dict], step: int) -> str:
            "folder, hence `trust_remote_code=True`):", "", "```python",
            "from transformers import AutoModelForCausalLM, AutoTokenizer",
            "model = AutoModelForCausalLM.from_pretrained(FOLDER, trust_remote_code=True)",
-           "tok = AutoTokenizer.from_pretrained(FOLDER)",
+           "tok = AutoTokenizer.from_pretrained(FOLDER, trust_remote_code=True)  # or it asks",
            "ids = tok(\"The capital of France is\", return_tensors=\"pt\").input_ids",
            "print(tok.decode(model.generate(ids, max_new_tokens=20, do_sample=False)[0]))",
            "```", "",
