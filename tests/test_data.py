@@ -10,8 +10,8 @@ from bov_jax.data import tokenizer as tok_lib
 
 
 class FakeWindows:
-  """Token documents with known contents, `per` to a window: document i is
-  [BOS, i*1000 + 1, i*1000 + 2, ...] (BOS = 0); a finite stream."""
+  """Token documents with known contents, `per` to a window, in chunks of two: document i
+  is [BOS, i*1000 + 1, i*1000 + 2, ...] (BOS = 0); a finite stream."""
 
   def __init__(self, lengths, per=3):
     self.lengths, self.per = lengths, per
@@ -19,10 +19,11 @@ class FakeWindows:
   def toks(self, i):
     return np.asarray([0] + [i * 1000 + j for j in range(1, self.lengths[i])], np.int32)
 
-  def stream(self, start):
+  def stream(self, start, offset):
     for k in range(start, -(-len(self.lengths) // self.per)):
       ids = np.arange(k * self.per, min((k + 1) * self.per, len(self.lengths)))
-      yield ids, [self.toks(int(i)) for i in ids]
+      for o in range(offset if k == start else 0, len(ids), 2):
+        yield k, o, ids[o:o + 2], [self.toks(int(i)) for i in ids[o:o + 2]]
 
   def tokens_of(self, ids):
     return {int(i): self.toks(int(i)) for i in ids}
@@ -98,14 +99,23 @@ def test_windows_shuffle_groups_per_epoch_and_split_them_over_processes(tok):
   e0 = [int(g) for k in range(per_epoch) for g in ws[0].groups(k)]
   e1 = [int(g) for k in range(per_epoch, 2 * per_epoch) for g in ws[0].groups(k)]
   assert e0 != e1  # a new order every epoch
-  ids, toks = ws[0].window(0)
+  ids, texts = ws[0].window(0)
   groups = {int(g) for g in ws[0].groups(0)}
   assert {train.corpus.group_of(int(i)) for i in ids} == groups  # only its groups' documents
   assert not np.all(np.diff(ids) > 0)  # shuffled within the window
   assert not np.any(ids % 10 == 0)  # no held-out document
-  assert toks[0][0] == tok.bos_id and tok.decode(toks[0][1:]) == train.corpus.doc(int(ids[0]))
+  assert texts == [train.corpus.doc(int(i)) for i in ids]
   again = data.TrainWindows(train, tok, seed=3, process_index=0, process_count=2, window_groups=2)
   np.testing.assert_array_equal(again.window(0)[0], ids)  # deterministic
+  # the stream: window 0 from document 300 in chunks of CHUNK_DOCS, tokenized, then window 1
+  stream = ws[0].stream(0, offset=300)
+  chunks = [next(stream) for _ in range(-(-(len(ids) - 300) // data.CHUNK_DOCS) + 1)]
+  assert [c[:2] for c in chunks[:-1]] == [(0, o) for o in range(300, len(ids), data.CHUNK_DOCS)]
+  assert chunks[-1][:2] == (1, 0)
+  np.testing.assert_array_equal(np.concatenate([c[2] for c in chunks[:-1]]), ids[300:])
+  toks = [t for c in chunks[:-1] for t in c[3]]
+  assert all(t[0] == tok.bos_id for t in toks)
+  assert [tok.decode(t[1:]) for t in toks] == texts[300:]
 
 
 def test_train_batches_resume_exactly_through_grain_checkpoint_state(tok):

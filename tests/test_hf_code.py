@@ -11,7 +11,6 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from lm_eval.tasks import TaskManager
 
 from bov_jax.data import corpus
 from bov_jax.data import tokenizer as tok_lib
@@ -166,7 +165,7 @@ def test_lm_evals_own_hf_model_on_the_folder_agrees_with_bov_jax_lm_eval(tmp_pat
   bov = json.loads((tmp_path / "bov.json").read_text())
   hf = evaluator.simple_evaluate(
       model="hf", model_args=f"pretrained={out},trust_remote_code=True", device="cpu",
-      batch_size=8, tasks=LM_EVAL_TASKS, task_manager=TaskManager(include_path=TASKS),
+      batch_size=8, tasks=LM_EVAL_TASKS, task_manager=harness.task_manager(TASKS, LM_EVAL_TASKS),
       log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
       fewshot_random_seed=0)
   accuracies = {(t, m) for t in ("bov_tiny_mc", "bov_tiny_gen")

@@ -271,3 +271,21 @@ def test_unknown_tasks_are_refused_by_name():
     lm_eval.check_tasks(manager, ["bov_tiny_mc", "no_such_task"])
   with pytest.raises(ValueError, match="--tasks"):
     lm_eval.check_tasks(manager, [])
+
+
+def test_the_local_tasks_alone_are_indexed_when_they_are_all_asked_for(monkeypatch):
+  """lm-eval's own tasks are indexed (about 20 s) only when a task asked for is not one of
+  --include_path's."""
+  local = lm_eval.task_manager(TASKS, ["bov_tiny_mc", "bov_tiny_gen"])
+  assert "bov_tiny_mc" in local.all_subtasks and "hellaswag" not in local.all_tasks
+  import lm_eval.tasks as lm_eval_tasks
+  made = []
+
+  class Recorder(lm_eval_tasks.TaskManager):  # lm-eval's own tasks, left unread
+    def __init__(self, include_path=None, include_defaults=True):
+      made.append(include_defaults)
+      super().__init__(include_path=include_path, include_defaults=False)
+  monkeypatch.setattr(lm_eval_tasks, "TaskManager", Recorder)
+  lm_eval.task_manager(TASKS, ["bov_tiny_mc", "hellaswag"])
+  lm_eval.task_manager(None, ["bov_tiny_mc"])
+  assert made == [False, True, True]

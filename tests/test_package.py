@@ -17,9 +17,14 @@ HF_CODE = sorted((REPO / "bov_jax" / "interop" / "hf_code").glob("*.py"))
 
 def test_importing_every_module_imports_no_torch():
   """The library and `main` (each command defines its flags when imported, so they are
-  imported one per process by the tests that run them)."""
+  imported one per process by the tests that run them), nor a run's TensorBoard writer
+  (tensorboardX imports torch where it is installed, as it is here)."""
   modules = [_name(p) for p in LIBRARY if not _is_command(p) or p.stem == "main"]
-  code = ("import sys\n" + "".join(f"import {m}\n" for m in modules)
+  log = "{'tensorboard': True, 'wandb_project': '', 'wandb_entity': ''}"
+  code = ("import sys, tempfile, ml_collections\n" + "".join(f"import {m}\n" for m in modules)
+          + "w = bov_jax.store.metrics.Writer(tempfile.mkdtemp(), 0, "
+          + f"ml_collections.ConfigDict({log}), {{}})\n"
+          + "w.write({'step': 1, 'train_loss': 1.0}); w.close()\n"
           + "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))

@@ -4,9 +4,10 @@
     -> each epoch: the groups in a new order (seed, epoch); this process takes every
        process_count-th, so it reads only its own documents
     -> windows of WINDOW_GROUPS groups: read, documents shuffled within the window
-       (seed, epoch, window), tokenized with BOS in one batch on every core; windows
-       are made ahead in background threads (grain), so packing never waits on
-       reading or tokenizing
+       (seed, epoch, window), read ahead in a background thread (grain)
+    -> chunks of CHUNK_DOCS documents tokenized with BOS on every core, CHUNKS_AHEAD of
+       them ahead in a background thread (grain), so packing never waits on reading or
+       tokenizing, and a run tokenizes only what it is about to pack
     -> PackedRows: rows of T+1 tokens, BOS-aligned best fit with cropping
     -> grain batch: [device_batch_size * local devices, T+1]
 
@@ -28,7 +29,9 @@ import numpy as np
 from bov_jax.data.corpus import DataError  # noqa: F401  (re-exported: the data layer's error)
 
 WINDOW_GROUPS = 4  # documents are shuffled within windows of this many groups (~4k docs)
-WINDOWS_AHEAD = 2  # windows read and tokenized ahead of the packer
+REFILL = 128  # the reference tops its buffer up a tokenizer batch (128 documents) at a time
+CHUNK_DOCS = REFILL  # documents tokenized at a time
+CHUNKS_AHEAD = 16  # chunks tokenized ahead of the packer: two of its 1,000-document buffers
 
 
 class TrainWindows:
@@ -52,7 +55,7 @@ class TrainWindows:
     return mine[w * self.window_groups:(w + 1) * self.window_groups]
 
   def window(self, k: int):
-    """(document ids, token arrays) of window k, in its shuffled order."""
+    """(document ids, texts) of window k, in its shuffled order."""
     ids, texts = [], []
     for g in self.groups(k):
       i, t = self.split.group_docs(int(g))
@@ -60,7 +63,7 @@ class TrainWindows:
       texts += t
     ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     order = np.random.default_rng([self.seed, k, 1]).permutation(len(texts))
-    return ids[order], self.tok.encode_batch([texts[i] for i in order])
+    return ids[order], [texts[i] for i in order]
 
   def tokens_of(self, ids) -> dict:
     """{id: tokens} for documents by id (a resume rebuilds the packer's buffer)."""
@@ -75,14 +78,28 @@ class TrainWindows:
       out.update(zip(members, self.tok.encode_batch([texts[i - start] for i in members])))
     return out
 
-  def stream(self, start: int):
-    """Windows start, start+1, ... made ahead in background threads."""
-    ds = grain.MapDataset.range(start, 2 ** 62).map(self.window)
-    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=WINDOWS_AHEAD,
-                                                     prefetch_buffer_size=WINDOWS_AHEAD)))
+  def stream(self, start: int, offset: int = 0):
+    """Tokenized chunks (window k, its first document's position in the window, ids,
+    token arrays) of windows start, start+1, ..., from document `offset` of the first."""
+    windows = grain.MapDataset.range(start, 2 ** 62).map(lambda k: (k, *self.window(k)))
+    windows = windows.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=1))
+    chunks = grain.experimental.FlatMapIterDataset(windows, _Chunks(start, offset))
+    chunks = chunks.map(lambda c: (*c[:3], self.tok.encode_batch(c[3])))
+    return iter(grain.experimental.ThreadPrefetchIterDataset(chunks,
+                                                             prefetch_buffer_size=CHUNKS_AHEAD))
 
 
-REFILL = 128  # the reference tops its buffer up a tokenizer batch (128 documents) at a time
+class _Chunks(grain.experimental.FlatMapTransform):
+  """A window's documents, CHUNK_DOCS at a time (the first window's from `offset`)."""
+
+  def __init__(self, start: int, offset: int):
+    self.start, self.offset = start, offset
+
+  def flat_map(self, window):
+    k, ids, texts = window
+    first = self.offset if k == self.start else 0
+    return [(k, o, ids[o:o + CHUNK_DOCS], texts[o:o + CHUNK_DOCS])
+            for o in range(first, len(ids), CHUNK_DOCS)]
 
 
 class PackedRows(grain.IterDataset):
@@ -107,7 +124,7 @@ class _PackedRowsIterator(grain.DatasetIterator):
     super().__init__()
     self.windows, self.row_len, self.buffer_size = windows, row_len, buffer_size
     self._k, self._offset = 0, 0      # the window being read, and the next document in it
-    self._stream = self._ids = self._toks = None  # started at the first document asked for
+    self._stream = self._chunk = None  # started at the first document asked for
     self._done = False                # a finite source (validation) has run out
     self._seq = 0                     # documents taken so far: their age in the buffer
     self._buffer = []  # sorted by (length, age): (length, age, document id, tokens)
@@ -115,14 +132,17 @@ class _PackedRowsIterator(grain.DatasetIterator):
 
   def _next_doc(self):
     if self._stream is None:
-      self._stream = self.windows.stream(self._k)
-      self._ids, self._toks = next(self._stream)
-    while self._offset == len(self._ids):
-      self._ids, self._toks = next(self._stream)
-      self._k, self._offset = self._k + 1, 0
-    i = self._offset
-    self._offset += 1
-    return int(self._ids[i]), self._toks[i]
+      self._stream, self._chunk = self.windows.stream(self._k, self._offset), None
+    while True:
+      if self._chunk is not None:
+        k, first, ids, toks = self._chunk
+        i = self._offset - first
+        if i < len(ids):
+          self._offset += 1
+          return int(ids[i]), toks[i]
+      self._chunk = next(self._stream)
+      if self._chunk[0] != self._k:  # window k ran out: the next one with documents
+        self._k, self._offset = self._chunk[0], 0
 
   def _add(self, i, toks):
     bisect.insort(self._buffer, (len(toks), self._seq, i, toks), key=lambda e: e[:2])
@@ -187,14 +207,13 @@ def val_rows(docs, tok, row_len: int, n_rows: int, buffer_size: int = 1000) -> n
     def __init__(self):
       self.docs = iter(docs)
 
-    def stream(self, start):
-      k = 0
+    def stream(self, start, offset):  # one window (0), in order
       while True:
-        chunk = [d for _, d in zip(range(1024), self.docs)]
+        chunk = [d for _, d in zip(range(CHUNK_DOCS), self.docs)]
         if not chunk:
           return
-        yield np.arange(k, k + len(chunk)), tok.encode_batch(chunk)
-        k += len(chunk)
+        yield 0, offset, np.arange(offset, offset + len(chunk)), tok.encode_batch(chunk)
+        offset += len(chunk)
 
   it = _PackedRowsIterator(_InOrder(), row_len, buffer_size)
   rows = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 
 import jax
@@ -121,16 +122,16 @@ class Writer:
       return
     root = rundir.path(workdir)
     root.mkdir(parents=True, exist_ok=True)
+    # a missing extra is named before any file is opened
+    wandb = extras.require("wandb", "wandb", "log.wandb_project") if log_cfg.wandb_project else None
     self.jsonl = rundir.metrics(workdir)
     _cut_after(self.jsonl, resume_step)
     if log_cfg.tensorboard:
-      from tensorboardX import SummaryWriter
-      _tensorboard_to_buckets()
       # a resume's own file (names carry the second they were made in, and the step)
-      self.tb = SummaryWriter(logdir=str(root), purge_step=resume_step + 1 if resume_step else None,
-                              flush_secs=30, filename_suffix=f".step{resume_step}")
-    if log_cfg.wandb_project:
-      wandb = extras.require("wandb", "wandb", "log.wandb_project")
+      self.tb = _tensorboardx().SummaryWriter(
+          logdir=str(root), purge_step=resume_step + 1 if resume_step else None,
+          flush_secs=30, filename_suffix=f".step{resume_step}")
+    if wandb is not None:
       run_id = hashlib.sha1(str(root).encode()).hexdigest()[:16]  # one W&B run per workdir
       self.wandb = wandb.init(project=log_cfg.wandb_project, entity=log_cfg.wandb_entity or None,
                               name=os.path.basename(str(root).rstrip("/")), id=run_id,
@@ -181,9 +182,21 @@ class _BucketEventFiles:
     pass
 
 
-def _tensorboard_to_buckets():
-  from tensorboardX import record_writer
+def _tensorboardx():
+  """tensorboardX, its event files to buckets through gcsfs. Imported without torch:
+  tensorboardX imports torch where it is installed only to accept torch tensors, 4 s at
+  each start (docs/performance.md); this writes floats."""
+  hidden = "torch" not in sys.modules
+  if hidden:
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects
+  try:
+    import tensorboardX
+    from tensorboardX import record_writer
+  finally:
+    if hidden:
+      del sys.modules["torch"]
   record_writer.register_writer_factory("gs", _BucketEventFiles())
+  return tensorboardX
 
 
 def _cut_after(p, step: int) -> None:
