@@ -34,7 +34,6 @@ from bov_jax.data import batches as data
 from bov_jax.data import corpus as corpus_lib
 from bov_jax.data import sources
 from bov_jax.data import tokenizer as tok_lib
-from bov_jax.training import step as step_lib
 
 _SHARDS = flags.DEFINE_integer("synthetic_shards", 0, "write this many ClimbMix-like shards "
                                "to a temporary directory and read them (0: data.corpus)")
@@ -70,7 +69,7 @@ def bench_data(spec, seconds: float, tokenizer_chars: int) -> dict:
     tok = tok_lib.train(tok_lib.training_texts(train.documents(), tokenizer_chars),
                         spec.model.vocab_size)
   T = spec.model.sequence_len
-  rows = step_lib.batch_layout(spec).local_rows
+  rows = spec.batch.local_rows
   windows = data.TrainWindows(train, tok, spec.train.seed, jax.process_index(),
                               jax.process_count())
   # the tokenizer alone, on every core, on the documents of the pipeline's first windows
@@ -80,7 +79,7 @@ def bench_data(spec, seconds: float, tokenizer_chars: int) -> dict:
   tokens = sum(len(ids) for ids in tok.encode_batch(texts))
   raw = tokens / (time.perf_counter() - t0)
   it = data.train_batches(windows, T + 1, rows)
-  next(it)  # the first window: read and tokenized before anything comes out
+  next(it)  # the first chunks: read and tokenized before anything comes out
   n, t0 = 0, time.perf_counter()
   while time.perf_counter() - t0 < seconds:
     n += next(it).shape[0] * T

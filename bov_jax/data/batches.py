@@ -21,6 +21,7 @@ host.
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 
 import grain
@@ -30,8 +31,8 @@ from bov_jax.data.corpus import DataError  # noqa: F401  (re-exported: the data 
 
 WINDOW_GROUPS = 4  # documents are shuffled within windows of this many groups (~4k docs)
 REFILL = 128  # the reference tops its buffer up a tokenizer batch (128 documents) at a time
-CHUNK_DOCS = REFILL  # documents tokenized at a time
-CHUNKS_AHEAD = 16  # chunks tokenized ahead of the packer: two of its 1,000-document buffers
+CHUNK_DOCS = 256  # documents tokenized at a time (benchmarks.data: smaller chunks cost throughput)
+CHUNKS_AHEAD = 4  # chunks tokenized ahead of the packer: two of its 1,000-document buffers
 
 
 class TrainWindows:
@@ -83,23 +84,16 @@ class TrainWindows:
     token arrays) of windows start, start+1, ..., from document `offset` of the first."""
     windows = grain.MapDataset.range(start, 2 ** 62).map(lambda k: (k, *self.window(k)))
     windows = windows.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=1))
-    chunks = grain.experimental.FlatMapIterDataset(windows, _Chunks(start, offset))
-    chunks = chunks.map(lambda c: (*c[:3], self.tok.encode_batch(c[3])))
-    return iter(grain.experimental.ThreadPrefetchIterDataset(chunks,
-                                                             prefetch_buffer_size=CHUNKS_AHEAD))
-
-
-class _Chunks(grain.experimental.FlatMapTransform):
-  """A window's documents, CHUNK_DOCS at a time (the first window's from `offset`)."""
-
-  def __init__(self, start: int, offset: int):
-    self.start, self.offset = start, offset
-
-  def flat_map(self, window):
-    k, ids, texts = window
-    first = self.offset if k == self.start else 0
-    return [(k, o, ids[o:o + CHUNK_DOCS], texts[o:o + CHUNK_DOCS])
-            for o in range(first, len(ids), CHUNK_DOCS)]
+    started = collections.deque()
+    for k, ids, texts in windows:
+      for o in range(offset if k == start else 0, len(ids), CHUNK_DOCS):
+        # CHUNKS_AHEAD chunks on the tokenizer's threads at once: the cores never wait on a
+        # chunk's last document (grain's prefetch would tokenize one chunk at a time)
+        started.append((k, o, ids[o:o + CHUNK_DOCS],
+                        self.tok.encode_batch_started(texts[o:o + CHUNK_DOCS])))
+        if len(started) > CHUNKS_AHEAD:
+          k0, o0, ids0, toks = started.popleft()
+          yield k0, o0, ids0, list(toks)
 
 
 class PackedRows(grain.IterDataset):

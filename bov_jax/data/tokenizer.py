@@ -59,12 +59,17 @@ class Tokenizer:
     """Many documents at once, as int32 arrays, on a thread per core. Straight into numpy
     (tiktoken's buffer, no special tokens allowed: encode_ordinary's ids): lists of ints
     and their conversion cost as much again as the encoding."""
+    return list(self.encode_batch_started(texts, bos))
+
+  def encode_batch_started(self, texts: list[str], bos: bool = True):
+    """encode_batch, started on the threads and not waited for: an iterator of the arrays
+    in order, each waited for when it is read."""
     head = np.asarray([self.bos_id] if bos else [], np.int32)
 
     def one(text):
       ids = self.enc.encode_to_numpy(text, disallowed_special=()).view(np.int32)
       return np.concatenate([head, ids]) if bos else ids
-    return list(_pool().map(one, texts, chunksize=16))
+    return _pool().map(one, texts)
 
   def decode(self, ids, special: bool = True) -> str:
     """The text of `ids`; special=False leaves the special tokens out (as transformers'
