@@ -1,10 +1,12 @@
-"""The benchmarks (python -m benchmarks.train / decode / dots) print their JSON contracts (numbers are not asserted: timing
+"""The benchmarks (python -m benchmarks.train / decode / dots / data) print their JSON contracts (numbers are not asserted: timing
 claims live in the benchmark output, not in tests)."""
 import json
 
 import pytest
 
 from tests.helpers import command
+from tests.helpers import run_spec
+from tests.helpers import small_config
 
 SMALL = ["--config=configs/tiny.py", "--config.model.n_layer=3", "--config.model.n_embd=64",
          "--config.model.vocab_size=512", "--config.model.sequence_len=128",
@@ -45,6 +47,15 @@ def test_bench_train_fields(tmp_path):
       "achieved_flops"]
   assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))  # --profile traced a step
   assert list(tmp_path.glob("plugins/profile/*/perfetto_trace.json.gz"))
+
+
+def test_bench_data_fields():
+  """benchmarks.data on the embedded corpus: the pipeline's rate and the tokenizer's."""
+  from benchmarks import data as bench
+  spec = run_spec(small_config(vocab_size=300))
+  rec = bench.bench_data(spec, seconds=0.2, tokenizer_chars=200_000)
+  assert rec["rows"] == spec.batch.local_rows and rec["row_tokens"] == 64
+  assert rec["tokens_per_s"] > 0 and rec["tokenizer_tokens_per_s"] > 0
 
 
 def test_bench_train_against_the_torch_transcription():
