@@ -325,9 +325,10 @@ def test_one_run_owns_a_run_directory(tmp_path):
   assert os.path.exists(os.path.join(wd, "DONE")) and not os.path.exists(os.path.join(wd, "LOCK"))
 
 
-def _parquet_corpus(d, n_files=3, docs=1000):
-  """Shards of short random documents, row groups of 50: a corpus a few hundred tiny steps
-  read more than once."""
+def _parquet_corpus(d, n_files=3, docs=2200):
+  """Shards of short random documents, row groups of 50: 22 windows of the training
+  shards an epoch, more than a run reads ahead before its first step (the packer's
+  buffer, the chunks tokenized ahead, the window read ahead: about ten)."""
   import pyarrow as pa
   import pyarrow.parquet as pq
   rng = np.random.default_rng(0)
@@ -335,7 +336,7 @@ def _parquet_corpus(d, n_files=3, docs=1000):
            for _ in range(3000)]
   d.mkdir(parents=True)
   for k in range(n_files):
-    texts = [f"Document {k}.{i}. " + " ".join(rng.choice(words, 20)) for i in range(docs)]
+    texts = [f"Document {k}.{i}. " + " ".join(rng.choice(words, 5)) for i in range(docs)]
     pq.write_table(pa.table({"text": texts}), d / f"shard_{k:05d}.parquet", row_group_size=50,
                    compression="snappy")
 
@@ -364,10 +365,11 @@ def test_a_bad_corpus_file_is_named_before_or_during_training(tmp_path):
       f"error: data.corpus: {shard} is not a readable Parquet file (Parquet magic bytes not "
       "found in footer. Either the file is corrupted or this is not a parquet file.)"]
   assert not (tmp_path / "early").exists()
-  # a row group of the first epoch's ninth window: read well after the packer's first fill
+  # a row group of the first epoch's last window: read well after the first step
   shard.write_bytes((good / shard.name).read_bytes())
   train, _ = corpus.split(corpus.open_corpus(str(good)), "auto", 1, 3)
-  late = next(int(g) for g in data_lib.TrainWindows(train, None, 0).groups(8) if g >= 20) - 20
+  windows = data_lib.TrainWindows(train, None, 0)
+  late = next(int(g) for g in windows.groups(windows.per_epoch - 1) if g >= 44) - 44
   corrupt_row_group(shard, late)
   wd = tmp_path / "run"
   out = _main(wd, *args)
@@ -378,6 +380,7 @@ def test_a_bad_corpus_file_is_named_before_or_during_training(tmp_path):
                       "Mend or replace that file and run the same command to resume", lines[-1])
   assert len(lines) == 1 and stop, out.stderr[-2000:]
   assert 0 < int(stop[1]) == int(stop[2]) < 120 and (wd / "checkpoints" / stop[1]).is_dir()
+  print(f"stopped after step {stop[1]} of 120")
   shard.write_bytes((good / shard.name).read_bytes())
   out = _main(wd, *args)
   assert out.returncode == 0 and (wd / "DONE").exists(), out.stderr[-2000:]
