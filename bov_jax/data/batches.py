@@ -6,7 +6,7 @@
     -> windows of WINDOW_GROUPS groups: read, documents shuffled within the window
        (seed, epoch, window), read ahead in a background thread (grain)
     -> chunks of CHUNK_DOCS documents tokenized with BOS on every core, CHUNKS_AHEAD of
-       them ahead in a background thread (grain), so packing never waits on reading or
+       them ahead on the tokenizer's threads, so packing never waits on reading or
        tokenizing, and a run tokenizes only what it is about to pack
     -> PackedRows: rows of T+1 tokens, BOS-aligned best fit with cropping
     -> grain batch: [device_batch_size * local devices, T+1]
