@@ -7,6 +7,7 @@ left out (the run's config.json is read, and `--config.*` overrides apply to it)
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -59,6 +60,9 @@ def run_mode(mode: str, cfg, workdir: str | None) -> int:
   failed (or, for --mode=compile, a program does not fit), 75 stopped by a preemption,
   checkpointed: run it again."""
   from bov_jax.jobs import modes  # after JAX's set-up here (huge pages, distributed runtime)
+  # What the imports made lives as long as the process: out of the collector's reach, each
+  # full collection walks only what the run makes (docs/performance.md: start-up).
+  gc.freeze()
   try:
     return modes.run(mode, cfg, workdir, _TOPOLOGY.value, _PROGRAMS.value)
   except (ValueError, OSError) as e:  # config, data, run-directory, bundle errors (2), or

@@ -58,6 +58,7 @@ def test_bench_data_fields():
   assert rec["tokens_per_s"] > 0 and rec["tokenizer_tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_bench_train_against_the_torch_transcription():
   """--reference=torch (torch is optional: skipped where it is not installed)."""
   import pytest

@@ -72,7 +72,17 @@ def logit_difference(model, hf, ids) -> float:
   return float(np.abs(got - ref).max() / np.abs(ref).max())
 
 
-@pytest.mark.parametrize("preset", sorted(values.PRESETS))
+# One preset per kind of cache entry: none changed (baseline), a bank (table replace, its
+# table shared or per layer), V1 replaced or added, x0, a table added through the gate. The
+# logits test runs these in the fast subset and every other preset as the slow sweep.
+DECODE_PRESETS = ["gpt_base", "gpt_base_v_from_value_emb_learn",
+                  "gpt_base_v_from_value_emb_learn_shared", "gpt_base_v_from_v1_learn",
+                  "gpt_base_add_init_v", "gpt_base_v_from_x0", "gpt_base_add_init_value_emb_nanogpt"]
+
+
+@pytest.mark.parametrize("preset", [
+    p if p in DECODE_PRESETS else pytest.param(p, marks=pytest.mark.slow)
+    for p in sorted(values.PRESETS)])
 def test_the_folders_model_computes_bov_jax_logits(tmp_path, tok, texts, preset,
                                                   record_property):
   """(The measured difference is kept in --junitxml's report: docs/interop.md.)"""
@@ -81,13 +91,6 @@ def test_the_folders_model_computes_bov_jax_logits(tmp_path, tok, texts, preset,
   difference = logit_difference(model, hf, _batch(tok, texts))
   record_property("logit_difference", difference)
   assert difference <= TOLERANCE
-
-
-# One preset per kind of cache entry: none changed (baseline), a bank (table replace, its
-# table shared or per layer), V1 replaced or added, x0, a table added through the gate.
-DECODE_PRESETS = ["gpt_base", "gpt_base_v_from_value_emb_learn",
-                  "gpt_base_v_from_value_emb_learn_shared", "gpt_base_v_from_v1_learn",
-                  "gpt_base_add_init_v", "gpt_base_v_from_x0", "gpt_base_add_init_value_emb_nanogpt"]
 
 
 @pytest.mark.parametrize("preset", DECODE_PRESETS)
