@@ -74,7 +74,7 @@ def logit_difference(model, hf, ids) -> float:
 
 # One preset per kind of cache entry: none changed (baseline), a bank (table replace, its
 # table shared or per layer), V1 replaced or added, x0, a table added through the gate. The
-# logits test runs these in the fast subset and every other preset as the slow sweep.
+# logits test runs these in the fast subset and every other preset in the slow set.
 DECODE_PRESETS = ["gpt_base", "gpt_base_v_from_value_emb_learn",
                   "gpt_base_v_from_value_emb_learn_shared", "gpt_base_v_from_v1_learn",
                   "gpt_base_add_init_v", "gpt_base_v_from_x0", "gpt_base_add_init_value_emb_nanogpt"]
@@ -93,7 +93,9 @@ def test_the_folders_model_computes_bov_jax_logits(tmp_path, tok, texts, preset,
   assert difference <= TOLERANCE
 
 
-@pytest.mark.parametrize("preset", DECODE_PRESETS)
+@pytest.mark.parametrize("preset", [  # the baseline and the paper's bank in the fast subset
+    p if p in ("gpt_base", "gpt_base_v_from_value_emb_learn")
+    else pytest.param(p, marks=pytest.mark.slow) for p in DECODE_PRESETS])
 def test_greedy_generate_gives_bov_jaxs_tokens_with_and_without_the_cache(tmp_path, tok,
                                                                           texts, preset):
   """transformers' generate, greedy, cache on and off, against bov_jax's cached decoding
@@ -150,6 +152,7 @@ def test_the_folders_tokenizer_encodes_as_bov_jax(tmp_path, tok, texts):
 LM_EVAL_TASKS = ["bov_tiny_mc", "bov_tiny_gen", "bov_tiny_ppl"]  # tests/data/lm_eval
 
 
+@pytest.mark.slow  # lm-eval run twice over the tasks, by each evaluator
 def test_lm_evals_own_hf_model_on_the_folder_agrees_with_bov_jax_lm_eval(tmp_path, tok,
                                                                         record_property):
   """lm-eval's `hf` model (the folder loaded by transformers, as `lm_eval --model hf

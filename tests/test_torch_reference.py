@@ -63,8 +63,9 @@ def test_transcription_computes_our_loss(preset):
   assert got == pytest.approx(want, rel=1e-5)
 
 
-@pytest.mark.parametrize("polar_dtype,compiled", [("float32", False), ("bfloat16", False),
-                                                  ("float32", True)])
+@pytest.mark.parametrize("polar_dtype,compiled", [
+    ("float32", False), ("bfloat16", False),
+    pytest.param("float32", True, marks=pytest.mark.slow)])  # slow: torch.compile's compile
 def test_transcription_muon_is_our_muon(polar_dtype, compiled):
   """Two steps on matrices of three shapes (two of one shape, stacked as the
   reference stacks them), gradients with uneven row and column scales (so the
