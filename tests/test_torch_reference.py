@@ -21,7 +21,8 @@ def _t(x):
   return torch.from_numpy(np.array(x, dtype=np.float32))
 
 
-@pytest.mark.parametrize("preset", ["gpt_base", "gpt_base_v_from_value_emb_learn"])
+@pytest.mark.parametrize("preset", [  # the bank in the fast subset, the baseline in the slow set
+    pytest.param("gpt_base", marks=pytest.mark.slow), "gpt_base_v_from_value_emb_learn"])
 def test_transcription_computes_our_loss(preset):
   """Our weights copied into the transcription (Linear layers are stored [out, in])
   give the same loss on the same tokens."""
