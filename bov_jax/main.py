@@ -61,7 +61,7 @@ def run_mode(mode: str, cfg, workdir: str | None) -> int:
   checkpointed: run it again."""
   from bov_jax.jobs import modes  # after JAX's set-up here (huge pages, distributed runtime)
   # What the imports made lives as long as the process: out of the collector's reach, each
-  # full collection walks only what the run makes (docs/performance.md: start-up).
+  # full collection walks only what the run makes (docs/performance.md: the collector).
   gc.freeze()
   try:
     return modes.run(mode, cfg, workdir, _TOPOLOGY.value, _PROGRAMS.value)

@@ -61,7 +61,6 @@ def test_bench_data_fields():
 @pytest.mark.slow
 def test_bench_train_against_the_torch_transcription():
   """--reference=torch (torch is optional: skipped where it is not installed)."""
-  import pytest
   pytest.importorskip("torch", reason="the PyTorch reference is the optional torch extra: "
                       "pip install -e '.[torch]'")
   ref, rec = _bench("train", *SMALL, "--steps=2", "--warmup=1", "--reference=torch",
