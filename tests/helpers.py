@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from bov_jax.evaluation import core
@@ -45,6 +46,12 @@ TINY_RUN = ["--config.model.n_layer=2", "--config.model.n_embd=64",
             "--config.model.vocab_size=512", "--config.train.device_batch_size=8",
             "--config.train.batch_tokens=1024", "--config.train.eval_tokens=2048",
             "--config.data.tokenizer_chars=2000000"]
+
+
+def slow_except(params, fast):
+  """`params` for pytest.mark.parametrize, those outside `fast` marked slow: a sweep whose
+  few representative cases stay in the fast subset and whose rest runs in the whole suite."""
+  return [p if p in fast else pytest.param(p, marks=pytest.mark.slow) for p in params]
 
 
 def small_config(preset: str = "gpt_base_v_from_value_emb_learn", **model):

@@ -21,6 +21,7 @@ from bov_jax.store import checkpoint
 from bov_jax.store import rundir
 from tests.helpers import ROOT
 from tests.helpers import random_model
+from tests.helpers import slow_except
 from tests.helpers import small_config
 
 CONTEXT = 64
@@ -80,9 +81,7 @@ DECODE_PRESETS = ["gpt_base", "gpt_base_v_from_value_emb_learn",
                   "gpt_base_add_init_v", "gpt_base_v_from_x0", "gpt_base_add_init_value_emb_nanogpt"]
 
 
-@pytest.mark.parametrize("preset", [
-    p if p in DECODE_PRESETS else pytest.param(p, marks=pytest.mark.slow)
-    for p in sorted(values.PRESETS)])
+@pytest.mark.parametrize("preset", slow_except(sorted(values.PRESETS), DECODE_PRESETS))
 def test_the_folders_model_computes_bov_jax_logits(tmp_path, tok, texts, preset,
                                                   record_property):
   """(The measured difference is kept in --junitxml's report: docs/interop.md.)"""
@@ -93,9 +92,8 @@ def test_the_folders_model_computes_bov_jax_logits(tmp_path, tok, texts, preset,
   assert difference <= TOLERANCE
 
 
-@pytest.mark.parametrize("preset", [  # the baseline and the paper's bank in the fast subset
-    p if p in ("gpt_base", "gpt_base_v_from_value_emb_learn")
-    else pytest.param(p, marks=pytest.mark.slow) for p in DECODE_PRESETS])
+@pytest.mark.parametrize("preset", slow_except(  # the baseline and the paper's bank: fast
+    DECODE_PRESETS, ("gpt_base", "gpt_base_v_from_value_emb_learn")))
 def test_greedy_generate_gives_bov_jaxs_tokens_with_and_without_the_cache(tmp_path, tok,
                                                                           texts, preset):
   """transformers' generate, greedy, cache on and off, against bov_jax's cached decoding

@@ -14,6 +14,7 @@ from benchmarks import torch_reference  # noqa: E402
 from bov_jax.optim import optimizer as optim  # noqa: E402
 from tests.helpers import init_model  # noqa: E402
 from tests.helpers import model_spec  # noqa: E402
+from tests.helpers import slow_except  # noqa: E402
 from tests.helpers import small_config  # noqa: E402
 
 
@@ -21,8 +22,8 @@ def _t(x):
   return torch.from_numpy(np.array(x, dtype=np.float32))
 
 
-@pytest.mark.parametrize("preset", [  # the bank in the fast subset, the baseline in the slow set
-    pytest.param("gpt_base", marks=pytest.mark.slow), "gpt_base_v_from_value_emb_learn"])
+@pytest.mark.parametrize("preset", slow_except(  # the bank fast, the baseline in the slow set
+    ["gpt_base", "gpt_base_v_from_value_emb_learn"], ["gpt_base_v_from_value_emb_learn"]))
 def test_transcription_computes_our_loss(preset):
   """Our weights copied into the transcription (Linear layers are stored [out, in])
   give the same loss on the same tokens."""
