@@ -36,7 +36,6 @@ from benchmarks import common
 from benchmarks.dots import hlo_runs
 from bov_jax import cli
 from bov_jax.run import plan
-from bov_jax.run import spec as spec_lib
 from bov_jax.settings import config as config_lib
 from bov_jax.training import aot
 
@@ -169,7 +168,7 @@ def run_one(name: str, topology: str) -> dict:
       node = node[p]
     old = node[leaf]
     node[leaf] = value == "true" if isinstance(old, bool) else type(old)(value)
-  spec = spec_lib.resolve(cfg, backend="tpu")
+  spec = aot.spec_for(cfg, topology)  # resolved for the slice's chips, as --mode=compile does
   kept = {}
   programs = _PROGRAMS.value + (["update"] if "train" in _PROGRAMS.value else [])
   report = aot.run(spec, topology, programs, log=lambda *_: None,

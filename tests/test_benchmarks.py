@@ -1,6 +1,9 @@
-"""The benchmarks (python -m benchmarks.train / decode / dots / data) print their JSON contracts (numbers are not asserted: timing
+"""The benchmarks (python -m benchmarks.train / decode / dots / data / pods) run end to end
+on their smallest inputs and print their JSON contracts (numbers are not asserted: timing
 claims live in the benchmark output, not in tests)."""
 import json
+import platform
+import sys
 
 import pytest
 
@@ -47,6 +50,36 @@ def test_bench_train_fields(tmp_path):
       "achieved_flops"]
   assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))  # --profile traced a step
   assert list(tmp_path.glob("plugins/profile/*/perfetto_trace.json.gz"))
+
+
+def test_bench_data_command():
+  """python -m benchmarks.data as docs/performance.md runs it, on two small synthetic shards."""
+  (rec,) = _bench("data", "--config=configs/tiny.py", "--synthetic_shards=2", "--seconds=0.5",
+                  "--tokenizer_chars=100000", "--json")
+  assert rec["tokens_per_s"] > 0 and rec["tokenizer_tokens_per_s"] > 0
+
+
+def _has_libtpu() -> bool:
+  try:
+    import libtpu  # noqa: F401
+    return True
+  except ImportError:
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_libtpu() and not (sys.platform == "linux"
+                                                and platform.machine() == "x86_64"),
+                    reason="libtpu's wheel exists for Linux x86-64 only (pip install '.[tpu]')")
+def test_bench_pods_compiles_a_config_for_a_slice():
+  """python -m benchmarks.pods as docs/pods.md runs it, on the smallest input: the tiny
+  config on a v5e-4, resolved for that slice's four chips (its mesh says so)."""
+  (rec,) = _bench("pods", "--runs=tiny:v5e-4", "--programs=train", "--json")
+  assert rec["config"] == "tiny" and rec["topology"] == "v5e-4" and rec["fits"]
+  assert rec["mesh"]["data"] * rec["mesh"]["fsdp"] * rec["mesh"]["tensor"] == 4
+  train = rec["train_step"]
+  assert train["peak_bytes"] > 0 and train["collectives"] and train["floor"]
+  assert train["gathered_reduced_vs_floor"] > 0 and 0 < train["optimizer_share"] < 1
 
 
 def test_bench_data_fields():

@@ -11,7 +11,7 @@ from tests.helpers import ROOT
 ENV = {"PROJECT": "my-proj", "ZONE": "us-central2-b", "TPU_NAME": "bov-pod",
        "ACCELERATOR_TYPE": "v5p-64", "WORKDIR": "gs://bucket/runs/bov780m", "DRY_RUN": "1",
        "SKIP_COMPILE_CHECK": "1"}  # the compile check has tests of its own, below
-VENV_PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
+PYTHON = sys.executable  # the interpreter running the tests, whatever its environment
 
 
 def _tpu(*args, timeout=60, **env):
@@ -129,7 +129,7 @@ def test_a_run_that_does_not_fit_stops_before_any_gcloud_command():
   big = ("--config.train.device_batch_size=16384", "--config.train.batch_tokens=16777216")
   for sub in ("run", "create"):
     out = _tpu(sub, "--config=configs/tiny.py", *big, timeout=600, SKIP_COMPILE_CHECK=None,
-               ACCELERATOR_TYPE="v5litepod-4", COMPILE_PROGRAMS="eval", PYTHON=VENV_PYTHON,
+               ACCELERATOR_TYPE="v5litepod-4", COMPILE_PROGRAMS="eval", PYTHON=PYTHON,
                JAX_PLATFORMS="cpu")
     assert out.returncode == 1, out.stderr[-2000:]
     assert not _commands(out), out.stdout

@@ -389,3 +389,92 @@ def test_a_bad_corpus_file_is_named_before_or_during_training(tmp_path):
   assert _main(whole, *args).returncode == 0
   assert _metrics(wd)[-1]["train_loss"] == pytest.approx(_metrics(whole)[-1]["train_loss"],
                                                           rel=1e-6)
+
+
+def _tiny_spec(**train):
+  """configs/tiny.py at the tests' shapes (TINY_RUN), resolved for this process's devices."""
+  from bov_jax.run import spec as spec_lib
+  from bov_jax.settings import config as config_lib
+  cfg = config_lib.from_file("configs/tiny.py")
+  for flag in TINY_RUN:
+    key, value = flag.removeprefix("--config.").split("=")
+    *parents, leaf = key.split(".")
+    node = cfg
+    for p in parents:
+      node = node[p]
+    node[leaf] = type(node[leaf])(value)
+  cfg.train.update(dict(sample_tokens=0, log_every=1, **train))
+  return spec_lib.resolve(cfg)
+
+
+def _record_loads_and_saves(monkeypatch, on_eval=None):
+  """The loop's batch loads and checkpoint saves, in the order they happen, as
+  ("load", steps done so far) and ("save", step). `on_eval(n)` runs at the n-th
+  evaluation (the first is step 0's)."""
+  from bov_jax.store import checkpoint as ckpt_lib
+  from bov_jax.training import train
+  events, done = [], {"steps": 0, "evals": 0}
+  load, save, dispatch = train._load, ckpt_lib.Checkpoints.save, train._dispatch
+  evaluate = bpb.Evaluator.__call__
+
+  def counted_dispatch(run, state):
+    done["steps"] = dispatch(run, state)
+    return done["steps"]
+
+  def counted_eval(self, params):
+    done["evals"] += 1
+    if on_eval:
+      on_eval(done["evals"])
+    return evaluate(self, params)
+
+  monkeypatch.setattr(train, "_load", lambda run, state: (events.append(("load", done["steps"])),
+                                                          load(run, state))[1])
+  monkeypatch.setattr(train, "_dispatch", counted_dispatch)
+  monkeypatch.setattr(bpb.Evaluator, "__call__", counted_eval)
+  monkeypatch.setattr(ckpt_lib.Checkpoints, "save", lambda self, step, *a, **k: (
+      events.append(("save", step)), save(self, step, *a, **k))[1])
+  return events
+
+
+def test_no_batch_loads_between_a_step_and_its_checkpoint(tmp_path, monkeypatch):
+  """A checkpoint saves the data iterator as it is right after its step: when one is
+  due, the next batch loads only once it is saved, so every checkpoint of step s follows
+  exactly s loads (one batch per step) and the step after it resumes on the right batch.
+  Elsewhere the next batch loads while the device runs the step (before its record)."""
+  from bov_jax.training import train
+  events = _record_loads_and_saves(monkeypatch)
+  out = train.train(_tiny_spec(num_iterations=6, checkpoint_every=2, eval_every=3),
+                    str(tmp_path / "run"))
+  assert out["step"] == 6 and "preempted" not in out
+  saves = [(i, step) for i, (kind, step) in enumerate(events) if kind == "save"]
+  assert [step for _, step in saves] == [2, 4, 6]
+  for i, step in saves:
+    assert sum(kind == "load" for kind, _ in events[:i]) == step, events
+  loads = [steps for kind, steps in events if kind == "load"]
+  assert loads == [0, 1, 2, 3, 4, 5]  # the batch of step s+1 loads after step s is dispatched
+
+
+def test_a_preemption_during_an_action_loses_nothing(tmp_path, monkeypatch):
+  """SIGTERM arriving in the middle of an action (the evaluation after step 3): the actions
+  already decided for that step run, the stop is agreed a step or two later, every step
+  up to it is recorded and the checkpoint holds the last one; the same call then runs the
+  rest, and the losses equal an uninterrupted run's."""
+  from bov_jax.training import train
+  spec = _tiny_spec(num_iterations=7, checkpoint_every=100, eval_every=3)
+  straight = train.train(spec, str(tmp_path / "straight"))
+  events = _record_loads_and_saves(
+      monkeypatch, on_eval=lambda n: n == 2 and os.kill(os.getpid(), signal.SIGTERM))
+  wd = tmp_path / "preempted"
+  out = train.train(spec, str(wd))
+  assert out.get("preempted"), out
+  stopped = out["step"]
+  assert 3 < stopped < 7
+  assert [e for e in events if e[0] == "save"] == [("save", stopped)]
+  assert [r["step"] for r in _metrics(wd) if "train_loss" in r] == list(range(1, stopped + 1))
+  monkeypatch.undo()
+  resumed = train.train(spec, str(wd))
+  assert resumed["step"] == 7 and not resumed.get("preempted")
+  assert [r["step"] for r in _metrics(wd) if "train_loss" in r] == list(range(1, 8))
+  losses = {r["step"]: r["train_loss"] for r in _metrics(tmp_path / "straight") if "train_loss" in r}
+  assert [r["train_loss"] for r in _metrics(wd) if "train_loss" in r] == [losses[s] for s in range(1, 8)]
+  assert resumed["train_loss"] == straight["train_loss"]

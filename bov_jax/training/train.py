@@ -35,7 +35,6 @@ from bov_jax.store import rundir
 from bov_jax.store import safetensors
 from bov_jax.training import aot
 from bov_jax.training import preemption as preemption_lib
-from bov_jax.training import schedule as schedule_lib
 from bov_jax.training import step as step_lib
 
 # Exit code of a run stopped by a preemption after its checkpoint: the same command
@@ -45,15 +44,6 @@ PREEMPTED_EXIT = 75
 
 class TrainError(RuntimeError):
   pass
-
-
-@dataclasses.dataclass
-class _Pending:
-  """A dispatched step whose outputs have not been read yet."""
-  step: int
-  out: dict
-  data_wait_s: float
-  stop: object  # the agreed preemption flag of this step (preemption.py)
 
 
 def train(spec, workdir: str | None) -> dict:
@@ -77,7 +67,8 @@ def train(spec, workdir: str | None) -> dict:
       setup.params = params_lib.placed(safetensors.read_weights(spec.init_from), setup.params,
                                        f"model.init_from={spec.init_from}")
     with jax.set_mesh(mesh):
-      return _Loop(spec, workdir, mesh, setup, tok, splits, n, ckpts).run()
+      run, state = _set_up(spec, workdir, mesh, setup, tok, splits, n, ckpts)
+      return _loop(run, state)
   finally:
     if owner is not None:
       owner.release()
@@ -114,276 +105,290 @@ def _resume_seed(seed: int, step: int) -> int:
   return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
 
 
-class _Loop:
-  """One run's training loop. All of its state is set up here, before the first step."""
+@dataclasses.dataclass
+class _Run:
+  """What a run holds for all of its steps, set up once before the first."""
+  spec: object
+  workdir: str | None
+  mesh: object
+  setup: step_lib.TrainSetup
+  tok: object
+  n: int  # the run's last step
+  ckpts: ckpt_lib.Checkpoints | None
+  data: object  # the data iterator (its state is saved with every checkpoint)
+  evaluator: bpb.Evaluator
+  writer: metrics.Writer
+  throughput: metrics.Throughput
+  preemption: preemption_lib.Preemption
+  profiler: profiler.Profiler
+  first: int  # this process's first step: it compiles
+  started: float = dataclasses.field(default_factory=time.time)
+  compile_began: float = 0.0
+  train_step: object = None  # compiled before the first step
 
-  def __init__(self, spec, workdir, mesh, setup, tok, splits, n, ckpts):
-    self.spec, self.workdir, self.mesh, self.tok = spec, workdir, mesh, tok
-    self.setup, self.n, self.ckpts = setup, n, ckpts
-    self.train_split = splits[0]
-    self.evaluator = bpb.Evaluator(spec, mesh, setup.eval_step, splits[1], tok,
-                                   self.setup.layout.local_rows)
-    self.t_start = time.time()
-    self.params, self.opt_state = setup.params, setup.opt_state
-    self.it = self._batches(spec.train.seed)
-    self.step = self._restore()  # the last step done: 0 for a new run
-    self.first = self.step + 1   # its first step here compiles
-    self.writer = metrics.Writer(workdir, self.step, spec.log, json.loads(spec.config_json))
-    n_dev, cpu = jax.device_count(), jax.devices()[0].platform == "cpu"
-    self.tput = metrics.Throughput(
-        spec.train.batch_tokens, plan.flops_per_token(spec.model), metrics.peak_flops() * n_dev,
-        remeasure=(lambda: metrics.peak_flops(again=True) * n_dev) if cpu else None)
-    self.preemption = preemption_lib.Preemption(mesh)
-    self.profiler = profiler.Profiler(workdir, spec.log.profile_start_step,
-                                      spec.log.profile_steps)
-    self.stop_agreed = False  # a preemption flag read (agreed by every process)
-    self.stopping = False     # stop after this step: decided once per step, before its actions
-    self.pending = None    # the dispatched step whose outputs are read one step late
-    self.record = {}       # the latest step's record (returned, and written to DONE)
-    self.batch = None      # the next step's batch and the seconds spent loading it
-    self.t_compile = 0.0   # when the first step's compilation began
-    self.train_step = None  # compiled before the first step (_compile)
-    self.schedule = self._schedule()
 
-  def _schedule(self) -> schedule_lib.Schedule:
-    """What runs after each step. The actions are independent of one another but for one
-    dependency, kept where it applies: a checkpoint saves the data iterator as it is
-    right after its step, so the next batch is not prefetched when one is due
-    (`_prefetch_due`); the checkpoint loads it once saved (`_save`). Whether to stop is
-    decided before the actions (`_stop_due`), the step's record written after them
-    (`_log`)."""
-    t, e, s = self.spec.train, self.spec.eval, schedule_lib.Schedule(self.n)
-    s.add("profile", self._profile, at_end=False, also=self.profiler.due)
-    s.add("prefetch", self._prefetch, at_end=False, also=self._prefetch_due)
-    s.add("evaluate", self._evaluate, every=t.eval_every)
-    if e.core_bundle and e.core_every > 0:
-      s.add("core", self._core, every=e.core_every)
-    if self.ckpts is not None:
-      s.add("checkpoint", self._save, every=t.checkpoint_every, also=lambda _: self.stopping)
-    s.add("sample", self._sample)  # no setting: after the last step
-    return s
+@dataclasses.dataclass
+class _InFlight:
+  """A dispatched step whose outputs have not been read yet."""
+  step: int
+  out: dict
+  data_wait_s: float
+  stop: object  # the agreed preemption flag of this step (preemption.py)
 
-  def run(self) -> dict:
-    log(f"bov_jax: {self.spec.model.describe()} | {self.n} steps x "
-        f"{self.spec.train.batch_tokens:,} tokens (accum {self.setup.layout.accum}) | "
-        f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
-    if self.step == 0:
-      self.record = {"step": 0, "val_bpb": self.evaluator(self.params), "tokens": 0}
-      self.writer.write(self.record)
-      log(f"step 0 | val_bpb {self.record['val_bpb']:.4f}")
-    self.t_compile = time.perf_counter()
-    self.batch = self._load()
-    self.train_step = self._compile(self.batch[0])
-    if self.profiler.due(self.step):  # a trace that starts with this run's first step
-      self._profile(self.step)
-    while self.step < self.n:
-      self._dispatch()
-      self.stopping = self._stop_due(self.step)
-      self.schedule.run(self.step)
-      self._log(self.step)
-      if self.stopping:
-        return self._stop()
-    return self._end()
 
-  # -- set-up ----------------------------------------------------------------------------
+@dataclasses.dataclass
+class _State:
+  """What the loop carries from one step to the next."""
+  step: int  # the last step dispatched: 0 for a new run
+  params: object
+  opt_state: object
+  batch: tuple | None = None  # the next step's (inputs, targets), and the seconds it took
+  in_flight: _InFlight | None = None  # read one step late, while the next one runs
+  record: dict = dataclasses.field(default_factory=dict)  # the latest step's record
+  stop_requested: bool = False  # a preemption flag read, agreed by every process
 
-  def _batches(self, seed: int):
-    windows = data_lib.TrainWindows(self.train_split, self.tok, seed, jax.process_index(),
-                                    jax.process_count())
-    return data_lib.train_batches(windows, self.spec.model.sequence_len + 1,
-                                  self.setup.layout.local_rows)
 
-  def _restore(self) -> int:
-    """The newest checkpoint's step, its state and data order taken; 0 with none."""
-    if self.ckpts is None:
-      return 0
-    restored = self.ckpts.restore(self.params, self.opt_state, self.it, log=log,
-                                  set_aside=True)
-    if restored is None:
-      return 0
-    self.params, self.opt_state = restored.params, restored.opt_state
+def _loop(run: _Run, state: _State) -> dict:
+  """The run's steps. After each: whether to stop, then the actions due (all decided
+  before any runs, so none decides for another), then the step's record."""
+  n, t = run.n, run.spec.train
+  _begin(run, state)
+  while state.step < n:
+    step = _dispatch(run, state)  # the step starts on the device; the one before is read
+    stop = state.stop_requested or run.preemption.maintenance(step)
+    save = run.ckpts is not None and (stop or step == n or _every(step, t.checkpoint_every))
+    evaluate = step == n or _every(step, t.eval_every)
+    core_due = _core_on(run.spec) and (step == n or _every(step, run.spec.eval.core_every))
+    if run.profiler.due(step):
+      run.profiler.after(step, sync=lambda: jax.block_until_ready(state.params))
+    next_batch = None
+    # The next batch loads while the device runs this step, except before a checkpoint:
+    # the data iterator's state it saves must be the one right after this step.
+    if step < n and not save:
+      next_batch = _load(run, state)
+    if evaluate:
+      _timed(run, state, "val_bpb", lambda: run.evaluator(state.params))
+    if core_due:
+      _timed(run, state, "core", lambda: core.run(run.spec, run.setup.graphdef, state.params,
+                                                  run.tok)["core"])
+    if save:
+      _save(run, state, last=stop or step == n)
+    if step == n and not stop:
+      _sample(run, state)
+    if (stop or evaluate or core_due or save or step in (run.first, n)
+        or _every(step, t.log_every)):  # what those actions measured is in the record
+      _write_record(run, state)
+    if stop:
+      return _stop(run, state)
+    if next_batch is None and step < n:
+      next_batch = _load(run, state)
+    state.batch = next_batch
+  return _end(run, state)
+
+
+def _every(step: int, every: int) -> bool:
+  return every > 0 and step % every == 0
+
+
+def _core_on(spec) -> bool:
+  return bool(spec.eval.core_bundle) and spec.eval.core_every > 0
+
+
+# -- set-up --------------------------------------------------------------------------------
+
+def _set_up(spec, workdir, mesh, setup, tok, splits, n, ckpts) -> tuple[_Run, _State]:
+  """The run's fixed parts, and the state of its newest checkpoint (a new run's
+  initial state with none)."""
+  state = _State(step=0, params=setup.params, opt_state=setup.opt_state)
+  data = _batches(spec, setup, tok, splits[0], spec.train.seed)
+  restored = ckpts.restore(state.params, state.opt_state, data, log=log,
+                           set_aside=True) if ckpts is not None else None
+  if restored is not None:
+    state.step, state.params, state.opt_state = (restored.step, restored.params,
+                                                 restored.opt_state)
     if not restored.data_restored:
-      self.it = self._batches(_resume_seed(self.spec.train.seed, restored.step))
-    log(f"resumed from {rundir.checkpoints(self.workdir)}/{restored.step}")
-    return restored.step
+      data = _batches(spec, setup, tok, splits[0], _resume_seed(spec.train.seed, restored.step))
+    log(f"resumed from {rundir.checkpoints(workdir)}/{restored.step}")
+  n_dev, cpu = jax.device_count(), jax.devices()[0].platform == "cpu"
+  throughput = metrics.Throughput(
+      spec.train.batch_tokens, plan.flops_per_token(spec.model), metrics.peak_flops() * n_dev,
+      remeasure=(lambda: metrics.peak_flops(again=True) * n_dev) if cpu else None)
+  run = _Run(
+      spec=spec, workdir=workdir, mesh=mesh, setup=setup, tok=tok, n=n, ckpts=ckpts,
+      data=data, first=state.step + 1,
+      evaluator=bpb.Evaluator(spec, mesh, setup.eval_step, splits[1], tok,
+                              setup.layout.local_rows),
+      writer=metrics.Writer(workdir, state.step, spec.log, json.loads(spec.config_json)),
+      throughput=throughput, preemption=preemption_lib.Preemption(mesh),
+      profiler=profiler.Profiler(workdir, spec.log.profile_start_step, spec.log.profile_steps))
+  return run, state
 
-  def _compile(self, batch):
-    """The train step compiled before its first call, with the bytes it takes per
-    device logged (what --mode=compile reports for a slice)."""
-    compiled = self.setup.train_step.lower(self.params, self.opt_state, *batch).compile()
-    stats = jax.local_devices()[0].memory_stats() or {}
-    log(aot.memory_line("train_step", aot.memory(compiled), stats.get("bytes_limit")))
-    return compiled
 
-  # -- a step, read one step late -------------------------------------------------------
+def _batches(spec, setup, tok, train_split, seed: int):
+  windows = data_lib.TrainWindows(train_split, tok, seed, jax.process_index(),
+                                  jax.process_count())
+  return data_lib.train_batches(windows, spec.model.sequence_len + 1, setup.layout.local_rows)
 
-  def _load(self):
-    """The next step's global batch [accum, rows, T] (inputs, targets), and the seconds
-    the host spent making it."""
-    t0 = time.perf_counter()
-    before = self.it.get_state()
-    try:
-      local = np.stack([next(self.it) for _ in range(self.setup.layout.accum)])  # [A, rows, T+1]
-    except data_lib.DataError as e:
-      raise self._bad_data(e, before) from e
-    x = sharding.global_batch(local[:, :, :-1], self.mesh, leading_dims=2)
-    y = sharding.global_batch(local[:, :, 1:], self.mesh, leading_dims=2)
-    return (x, y), time.perf_counter() - t0
 
-  def _bad_data(self, e: Exception, before) -> Exception:
-    """A corpus file found bad while training: the run stops at a checkpoint of its last
-    step (the data order as it was before the failed batch), so that the same command,
-    once the file is mended, goes on from there. Several processes cannot agree on it
-    (the others wait in the next step): they stop at the last periodic checkpoint."""
-    if self.step < self.first:  # before this run's first step: plain bad input (exit 2)
-      return e
-    saved = self.ckpts.latest_step() if self.ckpts else None
-    if self.ckpts is not None and jax.process_count() == 1 and saved != self.step:
-      self._current()  # the step's loss read (and checked) before it is kept
-      self.it.set_state(before)
-      self._save_now(self.step, last=True)
-      self.ckpts.close()
-      saved = self.step
-    where = f"{rundir.checkpoints(self.workdir)}/{saved}" if saved is not None else "none"
-    return TrainError(f"{e}; stopped after step {self.step} (checkpoint: {where}). Mend or "
-                      "replace that file and run the same command to resume")
+def _begin(run: _Run, state: _State) -> None:
+  """The run's header, a new run's step-0 evaluation, the first batch, and the train
+  step compiled on it, with the bytes it takes per device logged (what --mode=compile
+  reports for a slice)."""
+  log(f"bov_jax: {run.spec.model.describe()} | {run.n} steps x "
+      f"{run.spec.train.batch_tokens:,} tokens (accum {run.setup.layout.accum}) | "
+      f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
+  if state.step == 0:
+    state.record = {"step": 0, "val_bpb": run.evaluator(state.params), "tokens": 0}
+    run.writer.write(state.record)
+    log(f"step 0 | val_bpb {state.record['val_bpb']:.4f}")
+  run.compile_began = time.perf_counter()
+  state.batch = _load(run, state)
+  (x, y), _ = state.batch
+  run.train_step = run.setup.train_step.lower(state.params, state.opt_state, x, y).compile()
+  stats = jax.local_devices()[0].memory_stats() or {}
+  log(aot.memory_line("train_step", aot.memory(run.train_step), stats.get("bytes_limit")))
+  if run.profiler.due(state.step):  # a trace that starts with this run's first step
+    run.profiler.after(state.step, sync=lambda: jax.block_until_ready(state.params))
 
-  def _dispatch(self) -> None:
-    """Runs the next step on the loaded batch, then reads the step before it: the
-    device starts this one before the host waits for that one."""
-    (x, y), wait = self.batch
-    self.params, self.opt_state, out = self.train_step(self.params, self.opt_state, x, y)
-    flag = self.preemption.dispatch()
-    self.step += 1
-    previous, self.pending = self.pending, _Pending(self.step, out, wait, flag)
-    if previous is not None:
-      self._read(previous)
 
-  def _current(self) -> dict:
-    """This step's record, its outputs read now (the device has finished it, or is
-    about to)."""
-    if self.pending is not None:
-      self._read(self.pending)
-      self.pending = None
-    return self.record
+# -- a step, read one step late ------------------------------------------------------------
 
-  def _read(self, p: _Pending) -> None:
-    """A step's loss (checked), its stop flag, and its time for the throughput window."""
-    loss = float(p.out["train_loss"])
-    if not math.isfinite(loss):
-      good = self.ckpts.latest_step() if self.ckpts else None
-      where = (f"{rundir.checkpoints(self.workdir)}/{good}" if good is not None
-               else "none (no checkpoint was written)")
-      raise TrainError(f"train_loss is {loss} at step {p.step}; stopping. "
-                       f"Last good checkpoint: {where}")
-    self.stop_agreed = self.stop_agreed or bool(p.stop)
-    o = self.spec.optim
-    self.record = {"step": p.step, "train_loss": loss,
-                   "lr": float(optim.lr_multiplier(p.step - 1, self.n, o.warmup_steps,
-                                                   o.warmdown_ratio, o.final_lr_frac)),
-                   "tokens": p.step * self.spec.train.batch_tokens}
-    if p.step == self.first:
-      self.record["compile_s"] = time.perf_counter() - self.t_compile  # compile + one step
-      self.tput.begin()
-    else:
-      self.tput.step_done(p.data_wait_s)
+def _load(run: _Run, state: _State):
+  """The next step's global batch [accum, rows, T] (inputs, targets), and the seconds
+  the host spent making it."""
+  t0 = time.perf_counter()
+  before = run.data.get_state()
+  try:
+    local = np.stack([next(run.data) for _ in range(run.setup.layout.accum)])  # [A, rows, T+1]
+  except data_lib.DataError as e:
+    raise _bad_data(run, state, e, before) from e
+  x = sharding.global_batch(local[:, :, :-1], run.mesh, leading_dims=2)
+  y = sharding.global_batch(local[:, :, 1:], run.mesh, leading_dims=2)
+  return (x, y), time.perf_counter() - t0
 
-  # -- the actions ----------------------------------------------------------------------
 
-  def _stop_due(self, step: int) -> bool:
-    """Whether to stop after this step: a flag read so far, or a maintenance event,
-    decided once before the step's actions, so every one of them sees one answer (a flag
-    read during them counts from the next step)."""
-    return self.stop_agreed or self.preemption.maintenance(step)
+def _bad_data(run: _Run, state: _State, e: Exception, before) -> Exception:
+  """A corpus file found bad while training: the run stops at a checkpoint of its last
+  step (the data order as it was before the failed batch), so that the same command,
+  once the file is mended, goes on from there. Several processes cannot agree on it
+  (the others wait in the next step): they stop at the last periodic checkpoint."""
+  if state.step < run.first:  # before this run's first step: plain bad input (exit 2)
+    return e
+  saved = run.ckpts.latest_step() if run.ckpts else None
+  if run.ckpts is not None and jax.process_count() == 1 and saved != state.step:
+    _read_in_flight(run, state)  # the step's loss read (and checked) before it is kept
+    run.data.set_state(before)
+    _save(run, state, last=True)
+    run.ckpts.close()
+    saved = state.step
+  where = f"{rundir.checkpoints(run.workdir)}/{saved}" if saved is not None else "none"
+  return TrainError(f"{e}; stopped after step {state.step} (checkpoint: {where}). Mend or "
+                    "replace that file and run the same command to resume")
 
-  def _profile(self, step: int) -> None:
-    self.profiler.after(step, sync=lambda: jax.block_until_ready(self.params))
 
-  def _prefetch_due(self, step: int) -> bool:
-    """The next batch loads while the device runs this step, except before a checkpoint:
-    the data-iterator state it saves must be the one right after this step."""
-    return step < self.n and not self.schedule.is_due("checkpoint", step)
+def _dispatch(run: _Run, state: _State) -> int:
+  """Runs the next step on the loaded batch, then reads the step before it: the device
+  starts this one before the host waits for that one. Returns the step's number."""
+  (x, y), wait = state.batch
+  state.params, state.opt_state, out = run.train_step(state.params, state.opt_state, x, y)
+  flag = run.preemption.dispatch()
+  state.step += 1
+  previous, state.in_flight = state.in_flight, _InFlight(state.step, out, wait, flag)
+  if previous is not None:
+    _read(run, state, previous)
+  return state.step
 
-  def _prefetch(self, step: int) -> None:
-    del step
-    self.batch = self._load()
 
-  def _evaluate(self, step: int) -> None:
-    del step
-    t0 = time.perf_counter()
-    self._current()["val_bpb"] = self.evaluator(self.params)
-    self._took(time.perf_counter() - t0)
+def _read_in_flight(run: _Run, state: _State) -> dict:
+  """This step's record, its outputs read now (the device has finished it, or is about
+  to)."""
+  if state.in_flight is not None:
+    _read(run, state, state.in_flight)
+    state.in_flight = None
+  return state.record
 
-  def _core(self, step: int) -> None:
-    del step
-    t0 = time.perf_counter()
-    self._current()["core"] = core.run(self.spec, self.setup.graphdef, self.params,
-                                       self.tok)["core"]
-    self._took(time.perf_counter() - t0)
 
-  def _took(self, seconds: float) -> None:
-    """Evaluation time: in the record, and out of the throughput window."""
-    self.record["eval_s"] = self.record.get("eval_s", 0.0) + seconds
-    self.tput.exclude(seconds)
+def _read(run: _Run, state: _State, done: _InFlight) -> None:
+  """A step's loss (checked), its stop flag, and its time for the throughput window."""
+  loss = float(done.out["train_loss"])
+  if not math.isfinite(loss):
+    good = run.ckpts.latest_step() if run.ckpts else None
+    where = (f"{rundir.checkpoints(run.workdir)}/{good}" if good is not None
+             else "none (no checkpoint was written)")
+    raise TrainError(f"train_loss is {loss} at step {done.step}; stopping. "
+                     f"Last good checkpoint: {where}")
+  state.stop_requested = state.stop_requested or bool(done.stop)
+  optim_spec = run.spec.optim
+  lr = optim.lr_multiplier(done.step - 1, run.n, optim_spec.warmup_steps,
+                           optim_spec.warmdown_ratio, optim_spec.final_lr_frac)
+  state.record = {"step": done.step, "train_loss": loss, "lr": float(lr),
+                  "tokens": done.step * run.spec.train.batch_tokens}
+  if done.step == run.first:
+    state.record["compile_s"] = time.perf_counter() - run.compile_began  # compile + one step
+    run.throughput.begin()
+  else:
+    run.throughput.step_done(done.data_wait_s)
 
-  def _log(self, step: int) -> None:
-    """The step's record, written every train.log_every steps and after the last, after
-    the first, and after every step that evaluates, saves or stops (what those actions
-    measured is in it)."""
-    due = (step % self.spec.train.log_every == 0 or step in (self.first, self.n)
-           or self.stopping or any(self.schedule.is_due(name, step)
-                                   for name in ("evaluate", "core", "checkpoint")))
-    if not due:
-      return
-    record = self._current()
-    record.update(self.tput.read())
-    self.writer.write(record)
-    log(metrics.progress_line(record, self.n, self.spec.train.batch_tokens))
 
-  def _save(self, step: int) -> None:
-    """A checkpoint of this step, then the next batch (whose loading it waited for)."""
-    last = step == self.n or self.stopping
-    self._save_now(step, last)
-    if not last:
-      self.batch = self._load()
+# -- the actions ---------------------------------------------------------------------------
 
-  def _save_now(self, step: int, last: bool) -> None:
-    self.ckpts.save(step, self.params, self.opt_state, self.it,
-                    {"step": step, "train_loss": self.record.get("train_loss"),
-                     "processes": jax.process_count()}, force=last)
+def _timed(run: _Run, state: _State, key: str, evaluate) -> None:
+  """An evaluation's result in the step's record; its time in the record and out of the
+  throughput window."""
+  t0 = time.perf_counter()
+  _read_in_flight(run, state)[key] = evaluate()
+  seconds = time.perf_counter() - t0
+  state.record["eval_s"] = state.record.get("eval_s", 0.0) + seconds
+  run.throughput.exclude(seconds)
 
-  def _sample(self, step: int) -> None:
-    """A greedy continuation of sample.prompt (every process runs the jitted steps;
-    process 0 prints)."""
-    n = self.spec.train.sample_tokens
-    del step
-    if n <= 0 or self.stopping:
-      return
-    prompt = self.tok.encode(self.spec.sample.prompt)
-    if (why := inference.prompt_too_long(len(prompt), self.spec.model.sequence_len)):
-      log(f"sample: skipped, {why}")
-      return
-    ids = inference.generate_uncached(self.setup.graphdef, self.params, prompt, n,
-                                      self.spec.model.sequence_len, temperature=0.0)
-    log("sample: " + repr(self.tok.decode(prompt[1:] + ids)))
 
-  # -- the end --------------------------------------------------------------------------
+def _save(run: _Run, state: _State, last: bool) -> None:
+  run.ckpts.save(state.step, state.params, state.opt_state, run.data,
+                 {"step": state.step, "train_loss": state.record.get("train_loss"),
+                  "processes": jax.process_count()}, force=last)
 
-  def _close(self) -> None:
-    self.profiler.close(sync=lambda: jax.block_until_ready(self.params))
-    if self.ckpts is not None:
-      self.ckpts.close()  # waits for the last save to be on disk
-    self.writer.close()
 
-  def _stop(self) -> dict:
-    self._close()
-    log(f"preempted: checkpointed step {self.step}; exiting with code {PREEMPTED_EXIT} "
-        "(run the same command to resume)")
-    return dict(self.record, preempted=True)
+def _sample(run: _Run, state: _State) -> None:
+  """A greedy continuation of sample.prompt (every process runs the jitted steps;
+  process 0 prints)."""
+  n = run.spec.train.sample_tokens
+  if n <= 0:
+    return
+  prompt = run.tok.encode(run.spec.sample.prompt)
+  if (why := inference.prompt_too_long(len(prompt), run.spec.model.sequence_len)):
+    log(f"sample: skipped, {why}")
+    return
+  ids = inference.generate_uncached(run.setup.graphdef, state.params, prompt, n,
+                                    run.spec.model.sequence_len, temperature=0.0)
+  log("sample: " + repr(run.tok.decode(prompt[1:] + ids)))
 
-  def _end(self) -> dict:
-    self._close()
-    if self.workdir and process.is_main():
-      rundir.mark_done(self.workdir, self.record)  # sweeps and launch/tpu.sh skip it
-    log(f"done in {metrics.fmt_time(time.time() - self.t_start)}")
-    return self.record
+
+def _write_record(run: _Run, state: _State) -> None:
+  record = _read_in_flight(run, state)
+  record.update(run.throughput.read())
+  run.writer.write(record)
+  log(metrics.progress_line(record, run.n, run.spec.train.batch_tokens))
+
+
+# -- the end -------------------------------------------------------------------------------
+
+def _close(run: _Run, state: _State) -> None:
+  run.profiler.close(sync=lambda: jax.block_until_ready(state.params))
+  if run.ckpts is not None:
+    run.ckpts.close()  # waits for the last save to be on disk
+  run.writer.close()
+
+
+def _stop(run: _Run, state: _State) -> dict:
+  _close(run, state)
+  log(f"preempted: checkpointed step {state.step}; exiting with code {PREEMPTED_EXIT} "
+      "(run the same command to resume)")
+  return dict(state.record, preempted=True)
+
+
+def _end(run: _Run, state: _State) -> dict:
+  _close(run, state)
+  if run.workdir and process.is_main():
+    rundir.mark_done(run.workdir, state.record)  # sweeps and launch/tpu.sh skip it
+  log(f"done in {metrics.fmt_time(time.time() - run.started)}")
+  return state.record
