@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bov_jax.optim import optimizer as jax_optim
+from bov_jax.kernels import polar
 
 
 def _norm(x):
@@ -133,7 +133,7 @@ def muon_shape_step(g, params, buf, buf2, momentum, lr, wd, polar_dtype=torch.bf
   u = g.lerp_(buf, momentum)
   x = u.to(polar_dtype)
   x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.01 + 1e-6)
-  for a, b, c in jax_optim.POLAR_EXPRESS:
+  for a, b, c in polar.POLAR_EXPRESS:
     if rows > cols:
       A = x.mT @ x
       x = a * x + x @ (b * A + c * (A @ A))

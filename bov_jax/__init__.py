@@ -11,7 +11,7 @@ code (cli.py is what they share):
   report     the paper's tables and figures from finished runs
   convert    a reference (nanochat) checkpoint as a run directory
   tokenizer  the authors' tokenizer trained, or text encoded
-  corpus     ClimbMix downloaded (also `python -m bov_jax.data download`)
+  corpus     ClimbMix downloaded
 
 The library is in folders, each importing only the folders below it (its `__init__.py`
 says which): a run flows config -> spec -> model / optimizer / data -> step -> loop ->

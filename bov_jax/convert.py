@@ -4,8 +4,7 @@
   python -m bov_jax.convert --checkpoint=model_000500.pt --meta=meta_000500.json \
       --tokenizer=TOKENIZER_DIR --workdir=DIR [--model_type=NAME] [--step=N]
 
-Prints {"checkpoint": PATH} as one JSON line. Scripts call `from_nanochat` (re-exported
-here) or `bov_jax.interop.nanochat` directly.
+Prints {"checkpoint": PATH} as one JSON line. Scripts call `bov_jax.interop.nanochat`.
 """
 
 from __future__ import annotations
@@ -18,11 +17,10 @@ from absl import flags
 
 from bov_jax import cli
 from bov_jax.interop import nanochat
-from bov_jax.interop.nanochat import from_nanochat  # noqa: F401  (the documented name)
 
 
 def _define_flags():
-  """The flags, defined when this runs as the command (scripts import from_nanochat)."""
+  """The flags, defined when this runs as the command."""
   flags.DEFINE_string("checkpoint", None, "reference model_*.pt (or .npz)")
   flags.DEFINE_string("meta", None, "reference meta_*.json")
   flags.DEFINE_string("workdir", None, "bov_jax run directory to write")

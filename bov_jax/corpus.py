@@ -1,7 +1,6 @@
 """Command: the paper's corpus, ClimbMix, fetched into a directory (data/corpus.py).
 
   python -m bov_jax.corpus download --shards=N --dir=DIR [--dry_run]
-  python -m bov_jax.data download ...                                  (the same command)
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
   python -m bov_jax.sweep --sweep=FILE --print [--workdir_root=DIR] [--config.k=v ...]
   python -m bov_jax.sweep --sweep=FILE --local [--workdir_root=DIR]
 
-Sweep files take `from_presets`, `product` and `point` from here (or jobs/sweep.py).
+Sweep files take `from_presets`, `product` and `point` from bov_jax.jobs.sweep.
 """
 
 from __future__ import annotations
@@ -17,9 +17,6 @@ from absl import flags
 
 from bov_jax import cli
 from bov_jax.jobs import sweep as sweep_lib
-from bov_jax.jobs.sweep import from_presets  # noqa: F401  (what sweep files import from here)
-from bov_jax.jobs.sweep import point  # noqa: F401
-from bov_jax.jobs.sweep import product  # noqa: F401
 
 
 def _define_flags():

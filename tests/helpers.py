@@ -27,7 +27,7 @@ from bov_jax.run import spec as spec_lib
 from bov_jax.settings import config as config_lib
 from bov_jax.store import safetensors
 from bov_jax.training import step as step_lib
-from tests.conftest import ROOT  # noqa: F401  (the tests import it from here too)
+from tests.conftest import ROOT
 
 
 def xla_flags(devices: int) -> str:
@@ -363,7 +363,7 @@ def _argv(module: str, args) -> list[str]:
 
 def command(module: str, *args, devices: int | None = None, env=None, timeout: float = 600,
             input: str | None = None) -> subprocess.CompletedProcess:
-  """`python -m bov_jax.MODULE ARGS...` (or a dotted module, `benchmarks.train`) run from
+  """`python -m bov_jax.<module> ARGS...` (or a dotted module, `benchmarks.train`) run from
   the repository root, its output captured as text."""
   return subprocess.run(_argv(module, args), capture_output=True, text=True, cwd=ROOT,
                         env=env or command_env(devices), timeout=timeout, input=input)

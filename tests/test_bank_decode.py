@@ -17,6 +17,7 @@ from bov_jax.kernels import bank_decode
 from bov_jax.kernels import bank_decode_tpu
 from bov_jax.model import kvcache
 from bov_jax.model import params as params_lib
+from bov_jax.parallel import lookup
 from bov_jax.parallel import sharding
 from bov_jax.run import spec as spec_lib
 from bov_jax.settings import config as config_lib
@@ -138,7 +139,7 @@ def test_vocab_split_table_equals_whole(kernel, shape, batch):
   want = _gather_then_attend(q, k, ids, table, qpos, 100, 1.0)
   with jax.set_mesh(mesh):
     assert bank_decode.mesh_split(batch, table.shape) == (
-        (("data",) if batch == 4 else ()), sharding.table_axes(mesh, table.shape)[0])
+        (("data",) if batch == 4 else ()), lookup.table_axes(mesh, table.shape)[0])
     t = jax.device_put(table, NamedSharding(mesh, spec))
     got = jax.jit(lambda *a: bank_decode.attend(*a, window=100, kernel=kernel, interpret=True))(
         q, k, ids, t, qpos)

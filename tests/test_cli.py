@@ -14,7 +14,7 @@ from bov_jax.data import corpus
 from bov_jax.runtime import hostmem
 from bov_jax.store import rundir
 from tests import helpers
-from tests.helpers import ROOT
+from tests.conftest import ROOT
 from tests.helpers import command
 from tests.helpers import command_env
 

@@ -40,7 +40,7 @@ def test_text_jsonl_and_parquet_corpora(tmp_path):
 
 def test_corpus_errors_are_named(tmp_path):
   with pytest.raises(corpus.DataError, match=r"data\.corpus='/nonexistent/x\.txt': no such file"
-                     r".*python -m bov_jax\.data download"):
+                     r".*python -m bov_jax\.corpus download"):
     corpus.open_corpus("/nonexistent/x.txt")
   (tmp_path / "empty").mkdir()
   with pytest.raises(corpus.DataError, match="no such file"):
@@ -151,7 +151,7 @@ def test_download_fetches_what_is_missing_and_the_validation_shard(tmp_path):
 
 
 def test_download_command_dry_run(tmp_path):
-  out = command("data", "download", "--shards=2",
+  out = command("corpus", "download", "--shards=2",
                 f"--dir={tmp_path}", "--dry_run", timeout=120)
   assert out.returncode == 0, out.stderr
   assert "would fetch karpathy/climbmix-400b-shuffle/shard_00001.parquet" in out.stdout

@@ -19,7 +19,7 @@ from bov_jax.interop import export
 from bov_jax.settings import values
 from bov_jax.store import checkpoint
 from bov_jax.store import rundir
-from tests.helpers import ROOT
+from tests.conftest import ROOT
 from tests.helpers import random_model
 from tests.helpers import slow_except
 from tests.helpers import small_config

@@ -11,6 +11,7 @@ from flax import nnx
 from bov_jax.inference import generate as inference
 from bov_jax.inference import sampling
 from bov_jax.kernels import attention
+from bov_jax.kernels import sampling as choice
 from bov_jax.model import gpt as model_lib
 from bov_jax.model import kvcache
 from bov_jax.settings import values
@@ -200,7 +201,7 @@ def test_top_k_keeps_what_lax_top_k_keeps():
     z = np.round(rng.normal(size=(3, V)) * 3, 1).astype(np.float32)
     z[0, :2] = -np.inf
     kth = np.asarray(jax.lax.top_k(jnp.asarray(z), k)[0][:, -1:])
-    kept = np.asarray(sampling.top_k_mask(jnp.asarray(z), k, "cpu"))
+    kept = np.asarray(choice.top_k_mask(jnp.asarray(z), k, "cpu"))
     np.testing.assert_array_equal(kept, z >= kth, err_msg=f"V={V} k={k}")
 
 
@@ -220,8 +221,8 @@ def test_sampling_follows_the_softmax(temperature, form):
 
 @pytest.mark.slow
 def test_tables_in_host_memory_decode_the_same():
-  from bov_jax.parallel import sharding
-  if not sharding.host_memory_supported():
+  from bov_jax.parallel import lookup
+  if not lookup.host_memory_supported():
     pytest.skip("this backend has no pinned_host memory")
   m = _model("gpt_base_v_from_value_emb_learn", sequence_len=64, short_window=8)
   graphdef, state = nnx.split(m)
@@ -279,7 +280,7 @@ def test_greedy_is_argmax():
   z[0, 0, [7, 4000]] = 50.0  # a tie: the first wins
   z[1, 2, -1] = 60.0         # the last entry
   z = np.round(z, 1)         # many equal values
-  got = np.asarray(sampling.greedy(jnp.asarray(z), "cpu"))
+  got = np.asarray(choice.greedy(jnp.asarray(z), "cpu"))
   np.testing.assert_array_equal(got, np.argmax(z, axis=-1))
   assert got.dtype == np.int32 and got[0, 0] == 7
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.conftest import ROOT
 
 ENV = {"PROJECT": "my-proj", "ZONE": "us-central2-b", "TPU_NAME": "bov-pod",
        "ACCELERATOR_TYPE": "v5p-64", "WORKDIR": "gs://bucket/runs/bov780m", "DRY_RUN": "1",

@@ -18,7 +18,7 @@ from bov_jax.jobs import modes
 from bov_jax.run import spec as spec_lib
 from bov_jax.store import checkpoint
 from bov_jax.store import rundir
-from tests.helpers import ROOT
+from tests.conftest import ROOT
 from tests.helpers import command
 from tests.helpers import command_env
 from tests.helpers import free_port

@@ -1,4 +1,4 @@
-"""kernels/loss.py: the chunked soft-capped cross-entropy and its hand-written gradient."""
+"""model/loss.py: the chunked soft-capped cross-entropy and its hand-written gradient."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -6,8 +6,8 @@ import pytest
 from flax import nnx
 
 from bov_jax.kernels import attention
+from bov_jax.kernels.matmul import mm
 from bov_jax.model import gpt as model_lib
-from bov_jax.model.matmul import mm
 from bov_jax.settings import values
 from tests.helpers import init_model
 from tests.helpers import model_spec

@@ -7,8 +7,8 @@ import numpy as np
 import optax
 import pytest
 
+from bov_jax.kernels import polar
 from bov_jax.optim import optimizer as optim
-from bov_jax.run import plan
 from bov_jax.run import spec as spec_lib
 from bov_jax.settings import config as config_lib
 
@@ -128,7 +128,7 @@ def test_muon_matches_numpy_over_several_steps(shape):
 
 def test_polar_express_orthogonalises():
   x = jax.random.normal(jax.random.key(0), (32, 64))
-  o = np.asarray(optim.polar_express(x))
+  o = np.asarray(polar.polar_express(x))
   s = np.linalg.svd(o, compute_uv=False)
   assert 0.6 < s.min() and s.max() < 1.3  # Polar Express lands singular values near 1
 
@@ -158,20 +158,20 @@ def test_gram_space_polar_express_matches_float64(shape, spectrum):
     b, _ = np.linalg.qr(rng.standard_normal((n, min(m, n))))
     u = (a * np.logspace(0, -6, min(m, n))) @ b.T
   want = _np_polar_express(u)
-  got = np.asarray(optim.polar_express(jnp.asarray(u, jnp.float32)))
+  got = np.asarray(polar.polar_express(jnp.asarray(u, jnp.float32)))
   err = np.abs(got - want).max() / np.abs(want).max()
   assert err < (2e-5 if spectrum == "gaussian" else 3e-3), err
-  bf16 = np.asarray(optim.polar_express(jnp.asarray(u, jnp.float32), jnp.bfloat16, gram=False))
+  bf16 = np.asarray(polar.polar_express(jnp.asarray(u, jnp.float32), jnp.bfloat16, gram=False))
   bf16_err = np.abs(bf16 - want).max() / np.abs(want).max()
   assert err < 0.1 * bf16_err  # far inside the reference's rounding
   # X in bf16 (the default): only X's rounding, no instability from the Gram space
-  mixed = np.asarray(optim.polar_express(jnp.asarray(u, jnp.float32), jnp.bfloat16))
+  mixed = np.asarray(polar.polar_express(jnp.asarray(u, jnp.float32), jnp.bfloat16))
   assert np.abs(mixed - want).max() / np.abs(want).max() < 2 * bf16_err
 
 
 def test_gram_space_form_is_chosen_by_shape_and_setting():
   def dots(shape, dtype=jnp.float32, gram=True):
-    jaxpr = jax.make_jaxpr(lambda u: optim.polar_express(u, dtype, gram))(jnp.ones(shape))
+    jaxpr = jax.make_jaxpr(lambda u: polar.polar_express(u, dtype, gram))(jnp.ones(shape))
     return [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
 
   n_dots = lambda *a: len(dots(*a))
@@ -196,8 +196,8 @@ def test_bf16_polar_express_tracks_fp32(shape):
   Express does not converge to the exact polar factor, so bf16 rounding moves
   the small singular values (~10% relative difference); the direction stays."""
   u = jax.random.normal(jax.random.key(3), shape)
-  full = np.asarray(optim.polar_express(u, gram=False))
-  half = optim.polar_express(u, jnp.bfloat16, gram=False)
+  full = np.asarray(polar.polar_express(u, gram=False))
+  half = polar.polar_express(u, jnp.bfloat16, gram=False)
   assert half.dtype == jnp.float32
   half = np.asarray(half)
   cos = np.sum(half * full) / (np.linalg.norm(half) * np.linalg.norm(full))
@@ -252,7 +252,7 @@ def test_paper_hyperparameters():
                                            (24, 2 ** 20, 0.0283, 0.707, 0.0597)):
     c = config_lib.depth_config(depth, "gpt_base_v_from_value_emb_learn")
     c.train.batch_tokens = batch
-    hp = plan.hyperparams(spec_lib.resolve(c))
+    hp = spec_lib.resolve(c).optim.hyperparams
     assert hp["muon"] == pytest.approx(matrix, abs=5e-5)
     assert hp["beta_gamma"] == pytest.approx(scalar, abs=5e-4)
     assert hp["muon_weight_decay"] == pytest.approx(wd, abs=5e-5)
@@ -324,7 +324,7 @@ def test_decoupled_decay_cannot_move_a_bfloat16_table(dtype):
   c = config_lib.depth_config(12, "gpt_base_v_from_value_emb_learn")
   c.model.embedding_dtype = dtype
   s = spec_lib.resolve(c)
-  hp = plan.hyperparams(s)
+  hp = s.optim.hyperparams
   assert hp["table"] * optim.ADAM_GROUPS["table"][1] == pytest.approx(0.0015)
   tx = optim.make(s.optim, 1000, hp)
   row = jnp.asarray([[0.5, -1.25, 3.0, 0.1]], jnp.dtype(dtype))

@@ -6,9 +6,9 @@ import re
 import subprocess
 import sys
 
-from tests import helpers
+from tests.conftest import ROOT
 
-REPO = pathlib.Path(helpers.ROOT)
+REPO = pathlib.Path(ROOT)
 # The package's modules: files of folders with an __init__.py (interop/hf_code/ is data, the
 # PyTorch model an exported folder carries, read by transformers and never imported here).
 LIBRARY = sorted(p for p in (REPO / "bov_jax").rglob("*.py") if (p.parent / "__init__.py").exists())
@@ -65,10 +65,8 @@ def _name(p: pathlib.Path) -> str:
 
 
 def _is_command(p: pathlib.Path) -> bool:
-  """A command: a module of the package's top (but cli.py, what they share), or a
-  folder's `__main__.py`."""
-  top = p.parent == REPO / "bov_jax"
-  return p.name == "__main__.py" or (top and p.stem not in ("__init__", "cli"))
+  """A command: a module of the package's top (but cli.py, what they share)."""
+  return p.parent == REPO / "bov_jax" and p.stem not in ("__init__", "cli")
 
 
 def _folder(module: str) -> str:

@@ -83,6 +83,6 @@ def test_a_paper_config_without_its_corpus_is_named(tmp_path):
                 f"--config.data.corpus={tmp_path}/climbmix", timeout=300)
   assert out.returncode == 2, out.stderr[-2000:]
   assert f"data.corpus='{tmp_path}/climbmix'" in out.stderr
-  assert "python -m bov_jax.data download" in out.stderr
+  assert "python -m bov_jax.corpus download" in out.stderr
   p = _plan_cli("configs/bov_780m.py")
   assert p["eval_tokens"] == 80 * 524288

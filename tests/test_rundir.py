@@ -8,7 +8,7 @@ import pytest
 
 from bov_jax.store import checkpoint
 from bov_jax.store import rundir
-from tests.helpers import ROOT
+from tests.conftest import ROOT
 from tests.helpers import command
 from tests.helpers import small_config
 

@@ -10,7 +10,7 @@ from flax import nnx
 from bov_jax.settings import values
 from bov_jax.store import rundir
 from bov_jax.store import safetensors as safetensors_lib
-from tests.helpers import ROOT
+from tests.conftest import ROOT
 from tests.helpers import equal_bits
 from tests.helpers import random_model
 from tests.helpers import small_config

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 
 from bov_jax.model import gpt as model_lib
 from bov_jax.model import params as params_lib
+from bov_jax.parallel import lookup
 from bov_jax.parallel import sharding
 from bov_jax.run import plan
 from bov_jax.training import step as step_lib
@@ -60,7 +61,7 @@ def test_table_lookup_matches_plain_gather(shape, impl):
 
     @jax.jit
     def f(t, i):
-      rows, vjp = jax.vjp(lambda t: sharding.table_lookup(t, i, impl), t)
+      rows, vjp = jax.vjp(lambda t: lookup.table_lookup(t, i, impl), t)
       return rows, vjp(cot)[0]
 
     rows, grad = f(t, i)

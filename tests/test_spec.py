@@ -83,7 +83,7 @@ def test_the_effective_learning_rates_are_resolved_with_the_spec():
   want = optim.hyperparams(s.optim, c.model.n_embd, c.train.batch_tokens,
                            plan.scaling_params(s.model),
                            plan.scaling_params(spec_lib.resolve(ref, "cpu", 1).model))
-  assert s.optim.hyperparams == want == plan.hyperparams(s)
+  assert s.optim.hyperparams == want
   base = spec_lib.resolve(small_config()).optim.hyperparams
   assert s.optim.hyperparams["muon"] == pytest.approx(2 * base["muon"])  # sqrt(4)
 

@@ -48,7 +48,7 @@ def test_a_tiny_run_lives_in_the_bucket(gcs, tmp_path):
     fs.put(str(tmp_path / f"shard_{k:05d}.parquet"), f"gs://bov/corpus/shard_{k:05d}.parquet")
   # a two-point sweep, each point a run in the bucket
   sweep = tmp_path / "two.py"
-  sweep.write_text("from bov_jax.sweep import from_presets\n\ndef get_sweep():\n  return "
+  sweep.write_text("from bov_jax.jobs.sweep import from_presets\n\ndef get_sweep():\n  return "
                    "from_presets('configs/tiny.py', [('base', 'gpt_base'), "
                    "('bov', 'gpt_base_v_from_value_emb_learn')])\n")
   out = _run("bov_jax.sweep", f"--sweep={sweep}", "--local", "--workdir_root=gs://bov/sweep",

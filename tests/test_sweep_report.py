@@ -6,7 +6,7 @@ import pytest
 
 from bov_jax.jobs import report
 from bov_jax.jobs import sweep
-from tests.helpers import ROOT
+from tests.conftest import ROOT
 from tests.helpers import command
 from tests.helpers import random_model
 from tests.helpers import small_config

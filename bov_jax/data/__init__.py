@@ -1,8 +1,7 @@
 """What a run reads: corpora on a disk or in a bucket and the held-out split
 (corpus.py), the authors' tokenizer (tokenizer.py), training batches and validation
 rows (batches.py), and a run's corpus split and tokenizer found or trained
-(sources.py). `__main__.py` is the corpus command under its older name
-(`python -m bov_jax.data download`).
+(sources.py).
 
-Imports: runtime, store (and, for `__main__.py`, the commands).
+Imports: runtime, store.
 """

@@ -27,7 +27,7 @@ import math
 import grain
 import numpy as np
 
-from bov_jax.data.corpus import DataError  # noqa: F401  (re-exported: the data layer's error)
+from bov_jax.data.corpus import DataError
 
 WINDOW_GROUPS = 4  # documents are shuffled within windows of this many groups (~4k docs)
 REFILL = 128  # the reference tops its buffer up a tokenizer batch (128 documents) at a time

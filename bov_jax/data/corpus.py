@@ -33,7 +33,7 @@ from bov_jax.store import storage
 CLIMBMIX_REPO = "karpathy/climbmix-400b-shuffle"
 CLIMBMIX_LAST_SHARD = 6542  # shard_06542.parquet: the validation split
 GROUP_DOCS = 1024  # documents per group of a text corpus (a Parquet row group's size)
-DOWNLOAD_HINT = ("download ClimbMix with `python -m bov_jax.data download --shards=N "
+DOWNLOAD_HINT = ("download ClimbMix with `python -m bov_jax.corpus download --shards=N "
                  "--dir=DIR` and pass --config.data.corpus=DIR")
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bov_jax.data import batches as data_lib
+from bov_jax.data import corpus
 from bov_jax.parallel import sharding
 
 
@@ -34,7 +35,7 @@ class Evaluator:
     packed = data_lib.val_rows(docs, tok, T + 1, n_rows)
     n_rows = len(packed) // rows * rows
     if n_rows == 0:
-      raise data_lib.DataError(
+      raise corpus.DataError(
           f"the validation split packs into {len(packed)} rows, fewer than one batch of "
           f"{rows}; use a larger corpus or a smaller train.device_batch_size")
     self.batches = packed[:n_rows].reshape(-1, rows, T + 1)

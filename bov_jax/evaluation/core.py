@@ -37,7 +37,7 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from bov_jax.inference.sampling import greedy
+from bov_jax.kernels.sampling import greedy
 from bov_jax.runtime import process
 
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")

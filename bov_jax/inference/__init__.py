@@ -1,5 +1,5 @@
 """Text generation over the decoding cache (generate.py) and the choice of the next
 token (sampling.py).
 
-Imports: model, parallel.
+Imports: kernels, model, parallel.
 """

@@ -22,7 +22,7 @@ from flax import nnx
 from bov_jax.inference.sampling import sample_logits
 from bov_jax.model import gpt as model_lib
 from bov_jax.model import kvcache
-from bov_jax.parallel import sharding
+from bov_jax.parallel import lookup
 
 
 def tables_to_host(params):
@@ -30,7 +30,7 @@ def tables_to_host(params):
   them there (`tables_on_host`: the run spec's `sample_model`, whose settings spec.check
   has checked), read row by row."""
   params = dict(params)
-  params["tables"] = {k: sharding.place_on_host(v) for k, v in params.get("tables", {}).items()}
+  params["tables"] = {k: lookup.place_on_host(v) for k, v in params.get("tables", {}).items()}
   return params
 
 

@@ -15,9 +15,8 @@ the memory traffic of a stored-value layer with a cache that holds only ids.
 path; `fused` runs the target's kernel (off TPU and GPU, the TPU kernel in the
 Pallas interpreter: slow, for tests); `fused_if_compiles`, what `auto` becomes on
 TPU, is decided before tracing (`resolve`): the TPU kernel where it compiles for the
-target device at the model's shapes, otherwise XLA's gather, with a warning. What has
-been measured of the kernels:
-docs/performance.md ("Decoding").
+target device at the model's shapes, otherwise XLA's gather, with a warning. The
+kernels' figures: docs/performance.md.
 
 Layout (as `attention.attend` takes it): rows n = b * K + h, one per sequence b
 and kv head h; G query heads per kv head. A key block outside the query's window
@@ -38,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from bov_jax.kernels import bank_decode_gpu as gpu
 from bov_jax.kernels import bank_decode_tpu as tpu
+from bov_jax.parallel import lookup
 from bov_jax.parallel import sharding
 
 
@@ -111,11 +111,11 @@ def mesh_split(batch: int, table_shape):
   (`table_width`: each device holds part of every row), or a batch and a table
   vocabulary that share a split axis (a sequence's rows then sit on other devices).
   XLA's lookup, which moves rows, takes those. The batch is split as
-  `sharding.table_lookup` splits it (not at all when it does not divide)."""
+  `lookup.table_lookup` splits it (not at all when it does not divide)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return (), ()
-  vocab, width = sharding.table_axes(mesh, table_shape) if table_shape else ((), ())
+  vocab, width = lookup.table_axes(mesh, table_shape) if table_shape else ((), ())
   batch_axes = sharding.batch_axes(mesh, batch)
   if width or set(batch_axes) & set(vocab):
     return None

@@ -24,10 +24,12 @@ import numpy as np
 from flax import nnx
 
 from bov_jax.kernels import attention
+from bov_jax.kernels.matmul import mm
 from bov_jax.model import combine
 from bov_jax.model import kvcache
 from bov_jax.model import loss as loss_lib
-from bov_jax.model.matmul import mm
+from bov_jax.parallel import lookup
+from bov_jax.parallel import rowsum
 from bov_jax.parallel import sharding
 from bov_jax.settings import config as config_lib
 from bov_jax.settings import values
@@ -182,7 +184,7 @@ class GPT(nnx.Module):
     prev_BD is the pre-smear embedding of the token before idx[:, 0] (decoding);
     without it position 0 is left unchanged.
     """
-    x = rmsnorm(sharding.embedding_lookup(self.wte[...].astype(self.compute_dtype), idx_BT))
+    x = rmsnorm(lookup.embedding_lookup(self.wte[...].astype(self.compute_dtype), idx_BT))
     if prev_BD is None:
       prev = jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
       has_prev = (jnp.arange(x.shape[1]) >= 1)[None, :, None]
@@ -209,7 +211,7 @@ class GPT(nnx.Module):
     if lv.source == "v1":
       return v1_BTKE
     B, T = idx_BT.shape
-    rows = sharding.table_lookup(table, idx_BT, self.spec.table_lookup,
+    rows = lookup.table_lookup(table, idx_BT, self.spec.table_lookup,
                                 self.spec.tables_on_host)
     return rows.astype(self.compute_dtype).reshape(B, T, self.spec.n_kv_head, self.spec.head_dim)
 
@@ -308,7 +310,7 @@ class GPT(nnx.Module):
 
   def token_losses(self, idx_BT, targets_BT):
     """Cross-entropy in nats per target position; 0 where target == -1. Chunked over
-    rows (kernels/loss.py): the fp32 logits of the whole batch never exist."""
+    rows (model/loss.py): the fp32 logits of the whole batch never exist."""
     h = self.hidden(idx_BT)
     B, T, D = h.shape
     nll = loss_lib.softcap_nll(h.reshape(B * T, D), self.lm_head[...], targets_BT.reshape(-1),
@@ -323,13 +325,13 @@ class GPT(nnx.Module):
       return loss_lib.softcap_nll_sum(h_BTD.reshape(B * T, D), w_DV, y_BT.reshape(-1),
                                       self.spec.vocab_size, *self._loss_chunks(B))
 
-    total = sharding.sum_over_rows(head_loss, (self.hidden(idx_BT), targets_BT),
+    total = rowsum.sum_over_rows(head_loss, (self.hidden(idx_BT), targets_BT),
                                    (self.lm_head[...],))
     return total / jnp.maximum(jnp.sum(targets_BT >= 0), 1)
 
   def _loss_chunks(self, B: int) -> tuple[int, int]:
     """(rows per cross-entropy chunk, sequences): model.loss_chunk rows on each device,
-    the same positions of all B sequences at once (kernels/loss.py)."""
+    the same positions of all B sequences at once (model/loss.py)."""
     return self.spec.loss_chunk * sharding.batch_shards(B), B
 
 

@@ -33,7 +33,7 @@ import numpy as np
 from bov_jax.kernels import attention
 from bov_jax.kernels import bank_decode
 from bov_jax.model import combine
-from bov_jax.parallel import sharding
+from bov_jax.parallel import lookup
 from bov_jax.settings import values
 
 
@@ -154,7 +154,7 @@ def _values(ls: LayerSettings, c: LayerCache, table, coeffs, rows, seqs):
     return combine.combine(lv, None, rows(c.v1_entry["v"][0]), coeffs)
   ids = seqs(c.whole["ids"])
   B, S = ids.shape
-  vals = sharding.table_lookup(table, ids, ls.table_lookup, ls.tables_on_host)
+  vals = lookup.table_lookup(table, ids, ls.table_lookup, ls.tables_on_host)
   vals = vals.astype(c.entry["k"].dtype).reshape(B, S, ls.n_kv_head, ls.head_dim)
   # XLA writes the gathered rows straight into the layout attention reads (the
   # transpose folds into the gather).
@@ -235,7 +235,7 @@ def bank_in_blocks(ls: LayerSettings, q_BTHE, k_NSE, ids_BS, table, coeffs, qpos
     m, l, acc = carry
     keys = jax.lax.dynamic_slice_in_dim(k_NSE, j * block, block, axis=1)
     ids = jax.lax.dynamic_slice_in_dim(ids_BS, j * block, block, axis=1)
-    rows = sharding.table_lookup(table, ids, ls.table_lookup,
+    rows = lookup.table_lookup(table, ids, ls.table_lookup,
                                 ls.tables_on_host).astype(k_NSE.dtype)
     vals = combine.combine(ls.lv, None, attention.kv_rows(rows.reshape(B, block, K, E)), coeffs)
     scores = jnp.einsum("nme,nse->nms", q_NME, keys,

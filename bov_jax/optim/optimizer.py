@@ -19,15 +19,9 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
+from bov_jax.kernels import polar
 from bov_jax.parallel import sharding
 
-POLAR_EXPRESS = (
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-)
 MUON_BETA2 = 0.9
 
 # group -> (betas, weight decay); learning rates come from `hyperparams`.
@@ -76,62 +70,6 @@ class MuonState(NamedTuple):
   second: Any
 
 
-def polar_express(u, dtype=jnp.float32, gram: bool = True):
-  """Approximate orthogonalisation (polar factor) of a matrix, 5 Polar Express steps,
-  returned as float32.
-
-  dtype: X's dtype between steps and the matmul operands' (the reference: bfloat16).
-  Products are accumulated and combined in float32: at least the reference's
-  precision (it rounds every product to bfloat16), and XLA's CPU backend runs
-  bf16 x bf16 -> f32 matmuls at 250-310 GFLOP/s here, against ~170 for f32 and ~150
-  for bf16 outputs.
-  gram: matrices of aspect >= 1.5 take the Gram-space form (fewer FLOPs;
-  `_polar_express_gram`; its accuracy: docs/design.md, "Optimizer").
-  """
-  x = u.astype(jnp.float32)
-  x = (x / (jnp.linalg.norm(x) * 1.01 + 1e-6)).astype(dtype)
-  mm = lambda a, b: jnp.matmul(a.astype(dtype), b.astype(dtype),
-                               preferred_element_type=jnp.float32)
-  tall = x.shape[0] > x.shape[1]
-  small, large = sorted(x.shape)
-  if gram and 2 * large >= 3 * small:
-    return _polar_express_gram(x, tall, mm)
-  # Iterate on the smaller Gram matrix. For a tall matrix this is the transposed
-  # iteration written without transposes (X^T X is symmetric): transposing X
-  # and back cost XLA's CPU backend a layout copy per step, ~10% of the train step.
-  for a, b, c in POLAR_EXPRESS:
-    if tall:
-      A = mm(x.T, x)
-      x = a * x.astype(jnp.float32) + mm(x, b * A + c * mm(A, A))
-    else:
-      A = mm(x, x.T)
-      x = a * x.astype(jnp.float32) + mm(b * A + c * mm(A, A), x)
-    x = x.astype(dtype)
-  return x.astype(jnp.float32)
-
-
-def _polar_express_gram(x, tall, mm):
-  """The same five steps computed in the small Gram space, in float32; only the two
-  products with X (`mm`, X's dtype for operands) see X's precision.
-
-  Each step is X <- X p(A) with A = X^T X (tall X; mirrored for wide) and
-  p(A) = a + b A + c A^2. Everything is a polynomial in G = X0^T X0, so these
-  commute: X_k = X0 Q_k with Q_{k+1} = Q_k p(A_k), and A_{k+1} = p(A_k) A_k p(A_k).
-  For an s x L matrix that is 17 s^3 matmuls plus two s^2 L ones instead of
-  five times (two s^2 L + one s^3): 44% fewer FLOPs at the MLP's 4:1. The Gram
-  space is always float32, where squaring the condition number is harmless.
-  """
-  gram = mm(x.T, x) if tall else mm(x, x.T)
-  eye = jnp.eye(gram.shape[0], dtype=gram.dtype)
-  q = None
-  for i, (a, b, c) in enumerate(POLAR_EXPRESS):
-    p = a * eye + b * gram + c * gram @ gram
-    q = p if q is None else q @ p
-    if i + 1 < len(POLAR_EXPRESS):
-      gram = p @ gram @ p
-  return mm(x, q) if tall else mm(q, x)
-
-
 def _reduce_axis(shape) -> int:
   """Our weights are [fan_in, fan_out]. Variance is averaged over the smaller
   dimension; for a square matrix over fan_in, giving one entry per output unit."""
@@ -162,7 +100,7 @@ def muon_momentum_step(g, buf, momentum):
 def orthogonalise(u, buf2, polar_dtype=jnp.float32, polar_gram=True):
   """Polar Express of u, then variance reduction with the second-moment buffer buf2,
   rescaled to the same Frobenius norm: (direction, new buf2)."""
-  x = polar_express(u, polar_dtype, polar_gram)
+  x = polar.polar_express(u, polar_dtype, polar_gram)
   axis = _reduce_axis(x.shape)
   n_red = x.shape[axis]
   v = jnp.mean(x * x, axis=axis, keepdims=True)
@@ -181,7 +119,7 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
 
   batched: matrices of one shape go through Polar Express together, one
   batched matmul per step (optim.muon_batched).
-  polar_dtype, polar_gram: see `polar_express`.
+  polar_dtype, polar_gram: see `kernels.polar.polar_express`.
   update_dtype: the final update lr*X + lr*wd*p*mask is computed in this dtype (the
   reference: bfloat16 under bfloat16 compute, X, lr, wd and p cast first).
   layout: a `state_layout.UpdateLayout` (optim.shard_optimizer). On a mesh of several

@@ -2,7 +2,9 @@
 
 Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with parameters
 and optimizer state split), `tensor` (within-layer model parallel). Every
-parameter names its axes in model.py (`logical=`); RULES says where each goes.
+parameter names its axes where the model makes it (`logical=`, model/gpt.py); RULES says
+where each goes. What runs over the mesh by hand (table lookups, per-shard sums) is in
+lookup.py and rowsum.py.
 """
 
 from __future__ import annotations
@@ -10,9 +12,7 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.experimental.compute_on import compute_on
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -152,75 +152,8 @@ def global_batch(local: np.ndarray, mesh, leading_dims: int = 1):
   return jax.make_array_from_process_local_data(batch_sharding(mesh, leading_dims), local)
 
 
-# -- value-table lookups ----------------------------------------------------------------
-#
-# A BoV table is [V, K * E] per target layer, its width split over fsdp and its
-# vocabulary over tensor (RULES). model.table_lookup reads rows E[idx] one of these ways:
-#   shard_map  each device takes, for the ids of every sequence sharing its fsdp
-#              group, the columns it holds (rows of a tensor-split vocabulary it
-#              does not hold masked to zero, then a psum over tensor), and an
-#              all-to-all over fsdp gives each device its own sequences' whole rows:
-#              what moves is one copy of the rows looked up, never the table. The
-#              backward is the same in reverse and a local scatter-add. The default
-#              (`auto`); a plain gather where the table is not split.
-#   gather     jnp.take under the compiler's sharding propagation (shard_map's form under
-#              an enclosing shard_map: see `embedding_lookup`).
-#   one_hot    one_hot(idx) @ E: a matmul, which all-gathers a split table.
-# Tables kept in host memory (`on_host`: inference only, sample.tables_on_host) are
-# gathered there whatever the setting; only the rows move to the device.
-
-
-# -- value tables in host memory (inference) -------------------------------------------
-#
-# The paper's suggestion: a bank table is only read by id, so it can live in host
-# memory and each step fetches just the rows it needs. The gather runs on the host
-# (compute_on), then only the rows move to the device.
-
-def host_memory_supported(device=None) -> bool:
-  device = device or jax.devices()[0]
-  try:
-    return any(m.kind == "pinned_host" for m in device.addressable_memories())
-  except Exception:  # noqa: BLE001 - backends without the memories API
-    return False
-
-
-def _memory(kind: str):
-  from jax.sharding import SingleDeviceSharding
-  return SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
-
-
-def place_on_host(x):
-  return jax.device_put(x, _memory("pinned_host"))
-
-
-def _on_host(f):
-  """compute_on("device_host") in jax 0.10, where it takes the compute type alone,
-  and from 0.11, where it also asks which memory each output lands in."""
-  try:
-    return compute_on("device_host")(f)
-  except TypeError:
-    return compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(f)
-
-
-@_on_host
-@jax.jit
-def _take_on_host(t, i):
-  return t.at[i].get(mode="promise_in_bounds")  # ids are valid tokens
-
-
-def _host_take(table, idx):
-  rows = _take_on_host(table, jax.device_put(idx, _memory("pinned_host")))
-  return jax.device_put(rows, _memory("device"))
-
-
 def axes_of(entry) -> tuple:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def table_axes(mesh, table_shape):
-  """(vocabulary axes, width axes): the mesh axes a table of this shape is split over."""
-  spec = logical_to_spec(("table_vocab", "table_width"), table_shape, mesh)
-  return axes_of(spec[0]), axes_of(spec[1])
 
 
 def batch_axes(mesh, batch: int) -> tuple:
@@ -234,67 +167,6 @@ def batch_shards(batch: int) -> int:
   """How many ways the current mesh splits a batch of this many rows (1 off a mesh)."""
   mesh = jax.sharding.get_abstract_mesh()
   return 1 if mesh.empty else math.prod(mesh.shape[a] for a in batch_axes(mesh, batch))
-
-
-def table_lookup(table_VF, idx_BT, impl: str = "shard_map", on_host: bool = False):
-  """Rows of a (possibly split) table for token ids, [B, T, F]."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if on_host:
-    return _host_take(table_VF, idx_BT)
-  if impl == "one_hot":
-    return jax.nn.one_hot(idx_BT, table_VF.shape[0], dtype=table_VF.dtype) @ table_VF
-  if mesh.empty or (impl == "gather" and not in_shard_map()):
-    return jnp.take(table_VF, idx_BT, axis=0)
-  vocab, width = table_axes(mesh, table_VF.shape)
-  if not vocab and not width:
-    return jnp.take(table_VF, idx_BT, axis=0)
-  rows_axes = batch_axes(mesh, idx_BT.shape[0])
-  shared = tuple(a for a in width if a in rows_axes)  # all-to-all: ids in, rows out
-  only_width = tuple(a for a in width if a not in shared)  # all-gathered columns
-
-  def local(table, idx):
-    if shared:  # the ids of every sequence of the group
-      idx = jax.lax.all_gather(idx, shared, axis=0, tiled=True)
-    if vocab:
-      n = table.shape[0]
-      offset = idx - jax.lax.axis_index(vocab) * n
-      mine = (offset >= 0) & (offset < n)
-      rows = jnp.take(table, jnp.where(mine, offset, 0), axis=0)
-      rows = jax.lax.psum(jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype)), vocab)
-    else:
-      rows = jnp.take(table, idx, axis=0)
-    if only_width:
-      rows = jax.lax.all_gather(rows, only_width, axis=2, tiled=True)
-    if shared:  # each device's sequences back to it, with every device's columns
-      rows = jax.lax.all_to_all(rows, shared, 0, 2, tiled=True)
-    return rows
-
-  bspec = rows_axes or None
-  return jax.shard_map(
-      local, mesh=mesh,
-      in_specs=(P(vocab or None, width or None), P(bspec, None)),
-      out_specs=P(bspec, None, None), axis_names=free_axes(mesh),
-      check_vma=False)(table_VF, idx_BT)
-
-
-def sum_over_rows(fn, rows, shared):
-  """fn(*rows, *shared), a scalar summed over the rows' leading (batch) axis. Where the
-  mesh splits that axis, each device runs fn on its own rows with `shared` whole (a
-  shard_map over the batch axes) and the sums are added: each device's contribution to
-  a shared input's gradient is then reduced once, not after every step of fn's loops
-  (under FSDP the LM head's gradient was reduce-scattered after every loss chunk)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  axes = () if mesh.empty else batch_axes(mesh, rows[0].shape[0])
-  if not axes:
-    return fn(*rows, *shared)
-  body = lambda *args: jax.lax.psum(fn(*args), axes)
-  return jax.shard_map(body, mesh=mesh, in_specs=(P(axes),) * len(rows) + (P(),) * len(shared),
-                       out_specs=P(), axis_names=set(axes), check_vma=False)(*rows, *shared)
-
-
-def embedding_lookup(table_VD, idx_BT):
-  """table[idx]; inside a shard_map (`in_shard_map`) by `table_lookup`'s own."""
-  return table_lookup(table_VD, idx_BT) if in_shard_map() else table_VD[idx_BT]
 
 
 def shards(logical: str) -> int:

@@ -1,7 +1,7 @@
 """What a run costs before anything runs: parameters, FLOPs, the step budget, memory.
 
 Counts come from the real model's parameter shapes under `nnx.eval_shape` (no
-allocation), so the plan can never disagree with what `model.py` builds. FLOPs
+allocation), so the plan can never disagree with what `model/gpt.py` builds. FLOPs
 follow the reference's estimate_flops:
 
   flops_per_token = 6 * N_matmul + sum_i 12 * H * dh * min(w_i, T)
@@ -63,11 +63,6 @@ def scaling_params(m: ModelSpec) -> int:
   baseline = dataclasses.replace(m, value=values.ValueMode(preset="gpt_base"))
   return sum(int(np.prod(v.shape)) for path, v in _flat(baseline).items()
              if path[0] in ("blocks", "lm_head"))
-
-
-def hyperparams(spec) -> dict:
-  """The run's effective LRs and Muon weight decay (resolved with its spec: spec.resolve)."""
-  return dict(spec.optim.hyperparams)
 
 
 def num_iterations(spec, fpt: int | None = None) -> int:

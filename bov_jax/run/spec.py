@@ -20,6 +20,7 @@ import ml_collections
 from bov_jax.kernels import attention
 from bov_jax.kernels import bank_decode
 from bov_jax.optim import optimizer as optim
+from bov_jax.parallel import lookup
 from bov_jax.parallel import sharding
 from bov_jax.run import plan
 from bov_jax.settings import config as config_lib
@@ -130,7 +131,7 @@ def check(cfg, n_devices: int, platform: str, device=None) -> None:
       raise config_lib.ConfigError(
           "sample.tables_on_host=True is supported for a model on a single device; this "
           f"run's mesh spans {n_devices}")
-    if device is not None and not sharding.host_memory_supported(device):
+    if device is not None and not lookup.host_memory_supported(device):
       raise config_lib.ConfigError(
           f"sample.tables_on_host=True is not supported on this backend ({platform}): "
           "its devices have no pinned_host memory")

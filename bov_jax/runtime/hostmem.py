@@ -2,7 +2,7 @@
 
 XLA's CPU runtime allocates each step's temporaries afresh, and glibc serves
 allocations that large with fresh mmaps, so every step first-touches them page by
-page (docs/performance.md: about 10% of a small model's CPU step in page faults).
+page (the cost: docs/performance.md).
 glibc's `malloc.hugetlb=1` tunable (glibc >= 2.35) madvises those mappings as
 transparent huge pages, 512 times fewer faults. Tunables are read only when a
 process starts, so `bov_jax.main` and the benchmarks re-execute themselves once

@@ -29,7 +29,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("auto", "xla", "cudnn", "blocks", "splash")
 # model.decode_attention: `auto` becomes `fused_if_compiles` on TPU, `xla` elsewhere
 DECODE_ATTENTION = ("auto", "xla", "fused")
-# model.table_lookup (sharding.table_lookup): `auto` is `shard_map`, which gathers
+# model.table_lookup (parallel/lookup.py): `auto` is `shard_map`, which gathers
 # plainly wherever the table is not split
 TABLE_LOOKUPS = ("auto", "shard_map", "gather", "one_hot")
 # model.remat -> the jax.checkpoint_policies member each layer's backward keeps
@@ -60,7 +60,7 @@ def base_config() -> ml_collections.ConfigDict:
                               # compute, as the reference stores them; else param_dtype)
   m.init_from = ""            # an exported folder (bov_jax.export) whose weights a new run
                               # starts from (the optimizer starts fresh); "" = initialise
-  m.loss_chunk = 0            # rows per cross-entropy chunk (kernels/loss.py); 0: 256 on
+  m.loss_chunk = 0            # rows per cross-entropy chunk (model/loss.py); 0: 256 on
                               # CPU (cache-sized chunks), 2048 elsewhere
   m.table_lookup = "auto"     # auto | shard_map | gather | one_hot (sharding.py)
   m.attention = "auto"        # auto | xla | cudnn | blocks | splash (kernels/attention.py)
@@ -178,7 +178,7 @@ def depth_config(depth: int, preset: str = "gpt_base") -> ml_collections.ConfigD
   c.model.n_head = c.model.n_kv_head = d // 128
   c.model.dtype = "bfloat16"
   c.model.value.preset = preset
-  # The paper's corpus (fetch it with `python -m bov_jax.data download`) and its held-out
+  # The paper's corpus (fetch it with `python -m bov_jax.corpus download`) and its held-out
   # set: 80 x 524,288 tokens of the last shard.
   c.data.corpus = "~/.cache/bov_jax/climbmix"
   c.train.eval_tokens = 80 * 524288

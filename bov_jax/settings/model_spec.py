@@ -56,7 +56,7 @@ class ModelSpec:
   # kernels never ask the process's backend: a CPU host builds a TPU's program).
   platform: str              # cpu | gpu | tpu
   attention_block: int       # Splash attention's block rows (a divisor of the length is taken)
-  matmul: str                # plain | cpu: model/matmul.py's CPU form of the backward
+  matmul: str                # plain | cpu: kernels/matmul.py's CPU form of the backward
   sampler: str               # jax | cpu: inference/sampling.py's hand-written CPU forms
   # Where the value tables live: host memory where sampling keeps them there
   # (sample.tables_on_host: the run spec's `sample_model`); rows are then gathered there.
@@ -186,7 +186,7 @@ def model_spec(m, backend: str) -> ModelSpec:
       loss_chunk=m.loss_chunk or (256 if backend == "cpu" else 2048),
       platform=backend,
       attention_block=m.attention_block or 512,
-      # XLA's CPU backend: see model/matmul.py and inference/sampling.py
+      # XLA's CPU backend: see kernels/matmul.py and kernels/sampling.py
       matmul="cpu" if backend == "cpu" else "plain",
       sampler="cpu" if backend == "cpu" else "jax")
 

@@ -8,7 +8,9 @@ half-written checkpoint that looks finished.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import gc
 import logging
 import os
 import shutil
@@ -55,18 +57,14 @@ def _check_room(directory: str, step: int, tree) -> None:
                   f"{need / 2**20:,.1f} MiB, {directory} has {free / 2**20:,.1f} MiB free")
 
 
-_LEFTOVERS_DROPPED = []
-
-
-def _drop_failed_read_leftovers() -> None:
+@contextlib.contextmanager
+def _failed_read_reports_dropped():
   """A step that does not read back leaves, from orbax's readers, a traceback per array
   when their tasks and coroutines are collected (asyncio's 'exception was never
   retrieved', 'coroutine ignored', and tensorstore's 'Event loop is closed' as reads end
-  after orbax gave up); the one warning line that sets the step aside says it all. From
-  the first restore on, those reports (and only those) are dropped."""
-  if _LEFTOVERS_DROPPED:
-    return
-  _LEFTOVERS_DROPPED.append(True)
+  after orbax gave up); the one warning line that sets the step aside says it all. Around
+  a restore, those reports (and only those) are dropped; the leftovers are collected
+  before the process's own hooks come back."""
   previous, previous_except = sys.unraisablehook, sys.excepthook
   closed = lambda e: isinstance(e, RuntimeError) and str(e) == "Event loop is closed"  # noqa: E731
 
@@ -78,10 +76,19 @@ def _drop_failed_read_leftovers() -> None:
   def except_hook(kind, value, tb):  # tensorstore's callbacks into the loop orbax closed
     if not closed(value):
       previous_except(kind, value, tb)
+
+  def record_filter(r):
+    return not ("never retrieved" in r.getMessage()
+                and any(w in r.getMessage() for w in ("orbax", "TensorStore", "OCDBT")))
+
   sys.unraisablehook, sys.excepthook = hook, except_hook
-  logging.getLogger("asyncio").addFilter(
-      lambda r: not ("never retrieved" in r.getMessage()
-                     and any(w in r.getMessage() for w in ("orbax", "TensorStore", "OCDBT"))))
+  logging.getLogger("asyncio").addFilter(record_filter)
+  try:
+    yield
+  finally:
+    gc.collect()
+    sys.unraisablehook, sys.excepthook = previous, previous_except
+    logging.getLogger("asyncio").removeFilter(record_filter)
 
 
 class Restored(NamedTuple):
@@ -137,15 +144,15 @@ class Checkpoints:
     if only is not None and only not in self.all_steps():
       raise FileNotFoundError(f"no checkpoint {only} under {rundir.checkpoints(self.workdir)} "
                               f"(steps {self.all_steps()})")
-    _drop_failed_read_leftovers()
     for step in [only] if only is not None else reversed(self.all_steps()):
-      try:
-        out = self._read(step, params, opt_state, data_iter, log)
-        error = None
-      except Exception as e:  # noqa: BLE001 - any unreadable step: fall back, loudly
-        while e.__cause__ is not None:  # the storage's own words, not orbax's wrapping
-          e = e.__cause__
-        out, error = None, f"{type(e).__name__}: {str(e)[:200]}"
+      with _failed_read_reports_dropped():
+        try:
+          out = self._read(step, params, opt_state, data_iter, log)
+          error = None
+        except Exception as e:  # noqa: BLE001 - any unreadable step: fall back, loudly
+          while e.__cause__ is not None:  # the storage's own words, not orbax's wrapping
+            e = e.__cause__
+          out, error = None, f"{type(e).__name__}: {str(e)[:200]}"
       if not _all_agree(error is None):
         where = f"{rundir.checkpoints(self.workdir)}/{step}"
         why = error or "another process could not read its part"

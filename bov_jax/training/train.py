@@ -18,6 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from bov_jax.data import batches as data_lib
+from bov_jax.data import corpus
 from bov_jax.data import sources
 from bov_jax.evaluation import bpb
 from bov_jax.evaluation import core
@@ -260,7 +261,7 @@ def _load(run: _Run, state: _State):
   before = run.data.get_state()
   try:
     local = np.stack([next(run.data) for _ in range(run.setup.layout.accum)])  # [A, rows, T+1]
-  except data_lib.DataError as e:
+  except corpus.DataError as e:
     raise _bad_data(run, state, e, before) from e
   x = sharding.global_batch(local[:, :, :-1], run.mesh, leading_dims=2)
   y = sharding.global_batch(local[:, :, 1:], run.mesh, leading_dims=2)

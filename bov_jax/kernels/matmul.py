@@ -1,7 +1,7 @@
 """The model's weight matmul, x [..., D] @ w [D, F], with its CPU form.
 
 On every backend the product is one 2-D matmul over flattened rows. On XLA's CPU
-backend two things run faster (docs/performance.md, "What changed in the step"):
+backend two things run faster (docs/performance.md, "CPU forms"):
 the flattened [rows, D] operand itself (the backward's x^T dy), and, for a weight
 with more rows than columns (the MLP's W_proj), a weight gradient formed
 transposed behind an optimization barrier, so XLA cannot fold the transpose back
