@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs of docs/performance.md ("Train step on one H200") in one go:
+# The GPU runs of docs/performance.md ("One H200, the d12 configs") in one go:
 #   bash scripts/gpu_bench.sh [RUN ...]   (default: test bov_d12 base_d12
 #                                          bov_d12_xla_attention bov_d12_batch32)
 # and the fused bank-layer decode kernel against XLA's gather (bov_jax/kernels/bank_decode.py):

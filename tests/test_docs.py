@@ -26,7 +26,7 @@ OUTSIDE = {"core_eval.py", "train_compile.py", "optim.py", "gpt.py", "base_train
 # The reference's own files, cited by their paths in its repository.
 REFERENCE_PATHS = {"scripts/base_train.py", "scripts/tok_train.py", "configs/core.yaml"}
 BARE = re.compile(r"`([\w]+\.py)`")
-MODULE = re.compile(r"python -m ((?:bov_jax|benchmarks)(?:\.[a-z_]+)*)\b(?!\.)")
+MODULE = re.compile(r"python -m ((?:bov_jax|benchmarks)(?:\.[a-z_]+)+)(?![\w.\\<])")
 
 
 def _cited_paths():
@@ -68,7 +68,9 @@ def test_every_documented_module_exists():
 @pytest.mark.slow
 @pytest.mark.parametrize("module", sorted(_documented_modules()))
 def test_every_documented_command_answers_help(module):
+  """absl's --help prints the flags and exits 1; a module that fails to import prints a
+  traceback instead."""
   out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
                        text=True, cwd=REPO, env=command_env(1), timeout=300)
-  assert out.returncode == 0, out.stderr[-2000:]
-  assert "Traceback" not in out.stderr
+  assert out.returncode in (0, 1) and "Traceback" not in out.stderr, out.stderr[-2000:]
+  assert "flags:" in out.stdout or "usage:" in out.stdout.lower(), out.stdout[-2000:]

@@ -135,7 +135,8 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str | None = 
   cfg = rundir.config_of(workdir)
   model = spec_lib.model_of(cfg)
   abstract = nnx.to_pure_dict(nnx.state(model_lib.abstract(model)))
-  restored = checkpoint.Checkpoints(workdir, async_save=False).restore(abstract, only=step)
+  with checkpoint.Checkpoints(workdir, async_save=False) as ckpts:
+    restored = ckpts.restore(abstract, only=step)
   if restored is None:
     raise FileNotFoundError(f"no checkpoint under {rundir.checkpoints(workdir)}")
   leaves = safetensors.tensor_names(restored.params)

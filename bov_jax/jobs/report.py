@@ -39,8 +39,8 @@ def load_run(workdir: str) -> dict:
 def coefficients(workdir: str) -> dict:
   """{layer: {gamma|alpha|beta: value}} from the run's latest checkpoint."""
   abstract = model_lib.abstract(spec_lib.model_of(rundir.config_of(workdir)))
-  restored = checkpoint.Checkpoints(workdir, async_save=False).restore(
-      nnx.to_pure_dict(nnx.state(abstract)))
+  with checkpoint.Checkpoints(workdir, async_save=False) as ckpts:
+    restored = ckpts.restore(nnx.to_pure_dict(nnx.state(abstract)))
   if restored is None:
     raise FileNotFoundError(f"no checkpoint under {rundir.checkpoints(workdir)}")
   step, params = restored.step, restored.params

@@ -96,7 +96,7 @@ def attend(q_BTHE, k_NSE, v_NSE, qpos_BT, kpos_BS, window):
   slot gets a position past every query, which the causal test hides), and the
   cache is kept in the layout the matmuls read: turning a token-major cache
   head-major on every step costs more than the attention itself
-  (docs/performance.md, "Decoding").
+  (docs/performance.md, "CPU forms").
   """
   B = q_BTHE.shape[0]
   q_BKGTE = query_heads(q_BTHE, k_NSE.shape[0] // B)
@@ -132,7 +132,7 @@ def _attend_heads(q_BKGTE, k_NSE, v_NSE, qpos_BT, kpos_BS, window):
   visible = (delta >= 0) & (delta <= window)
   visible_NMS = jnp.broadcast_to(visible[:, None, None], (B, K, G, T, S)).reshape(B * K, G * T, S)
   # The matmuls see one row dimension M = G * T (free reshapes): with two (g, t)
-  # XLA's CPU dot takes a slower path (docs/performance.md, "Decoding").
+  # XLA's CPU dot takes a slower path (docs/performance.md, "CPU forms").
   out = _softmax_attention(q_BKGTE.reshape(B * K, G * T, E), k_NSE, v_NSE, visible_NMS)
   return out.reshape(B, K, G, T, E)
 

@@ -2,7 +2,7 @@
 backend.
 
 On XLA's CPU backend jnp.argmax, lax.top_k and jax.random.categorical each cost
-more than a decode step of a small model (docs/performance.md, "Decoding"), so
+more than a decode step of a small model (docs/performance.md, "CPU forms"), so
 there (form `cpu`, spec.ModelSpec.sampler) the choices are made by hand-written
 forms that pick the same tokens (greedy, the top-k set); sampling by the inverse
 CDF draws a different token for a given key than categorical's Gumbel draw, with

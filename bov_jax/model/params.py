@@ -57,7 +57,8 @@ def restore(spec, workdir: str, mesh):
     params = placed(safetensors.read_weights(workdir), abstract, f"--workdir={workdir}")
     step = json.loads((epath.Path(workdir) / rundir.EXPORT_CONFIG).read_text()).get("step", 0)
     return step, graphdef, params
-  restored = ckpt_lib.Checkpoints(workdir, async_save=False).restore(abstract, log=process.log)
+  with ckpt_lib.Checkpoints(workdir, async_save=False) as ckpts:
+    restored = ckpts.restore(abstract, log=process.log)
   if restored is None:
     raise FileNotFoundError(f"no checkpoint under {rundir.checkpoints(workdir)}")
   return restored.step, graphdef, restored.params

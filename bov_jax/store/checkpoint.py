@@ -8,7 +8,6 @@ half-written checkpoint that looks finished.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import gc
 import logging
@@ -57,38 +56,37 @@ def _check_room(directory: str, step: int, tree) -> None:
                   f"{need / 2**20:,.1f} MiB, {directory} has {free / 2**20:,.1f} MiB free")
 
 
-@contextlib.contextmanager
-def _failed_read_reports_dropped():
+class _FailedReadReports:
   """A step that does not read back leaves, from orbax's readers, a traceback per array
-  when their tasks and coroutines are collected (asyncio's 'exception was never
-  retrieved', 'coroutine ignored', and tensorstore's 'Event loop is closed' as reads end
-  after orbax gave up); the one warning line that sets the step aside says it all. Around
-  a restore, those reports (and only those) are dropped; the leftovers are collected
-  before the process's own hooks come back."""
-  previous, previous_except = sys.unraisablehook, sys.excepthook
-  closed = lambda e: isinstance(e, RuntimeError) and str(e) == "Event loop is closed"  # noqa: E731
+  as their tasks and coroutines are collected (asyncio's 'exception was never
+  retrieved', 'coroutine ignored') and as tensorstore's reads end after orbax closed
+  their event loop ('Event loop is closed', from tensorstore's threads, later); the one
+  warning line that sets the step aside says it all. From a failed read until the
+  checkpoints are closed, those reports (and only those) are dropped; then the
+  process's own hooks come back."""
 
-  def hook(unraisable):  # a reader's coroutine dropped, or its loop closed under it
-    code = getattr(unraisable.object, "cr_code", None)
-    if "orbax" not in getattr(code, "co_filename", "") and not closed(unraisable.exc_value):
-      previous(unraisable)
+  def __init__(self):
+    self.previous = sys.unraisablehook, sys.excepthook
+    closed = lambda e: isinstance(e, RuntimeError) and str(e) == "Event loop is closed"  # noqa: E731
 
-  def except_hook(kind, value, tb):  # tensorstore's callbacks into the loop orbax closed
-    if not closed(value):
-      previous_except(kind, value, tb)
+    def hook(unraisable):  # a reader's coroutine dropped, or its loop closed under it
+      code = getattr(unraisable.object, "cr_code", None)
+      if "orbax" not in getattr(code, "co_filename", "") and not closed(unraisable.exc_value):
+        self.previous[0](unraisable)
 
-  def record_filter(r):
-    return not ("never retrieved" in r.getMessage()
-                and any(w in r.getMessage() for w in ("orbax", "TensorStore", "OCDBT")))
+    def except_hook(kind, value, tb):  # tensorstore's callbacks into the loop orbax closed
+      if not closed(value):
+        self.previous[1](kind, value, tb)
 
-  sys.unraisablehook, sys.excepthook = hook, except_hook
-  logging.getLogger("asyncio").addFilter(record_filter)
-  try:
-    yield
-  finally:
-    gc.collect()
-    sys.unraisablehook, sys.excepthook = previous, previous_except
-    logging.getLogger("asyncio").removeFilter(record_filter)
+    self.filter = lambda r: not ("never retrieved" in r.getMessage() and any(
+        w in r.getMessage() for w in ("orbax", "TensorStore", "OCDBT")))
+    sys.unraisablehook, sys.excepthook = hook, except_hook
+    logging.getLogger("asyncio").addFilter(self.filter)
+
+  def remove(self) -> None:
+    gc.collect()  # the failed read's leftovers reported (and dropped) now
+    sys.unraisablehook, sys.excepthook = self.previous
+    logging.getLogger("asyncio").removeFilter(self.filter)
 
 
 class Restored(NamedTuple):
@@ -113,6 +111,7 @@ class Checkpoints:
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=async_save)
     self.mgr = ocp.CheckpointManager(rundir.checkpoints(workdir), options=options)
+    self._reports = None  # a failed read's leftover reports dropped until close()
 
   def latest_step(self):
     return self.mgr.latest_step()
@@ -145,14 +144,14 @@ class Checkpoints:
       raise FileNotFoundError(f"no checkpoint {only} under {rundir.checkpoints(self.workdir)} "
                               f"(steps {self.all_steps()})")
     for step in [only] if only is not None else reversed(self.all_steps()):
-      with _failed_read_reports_dropped():
-        try:
-          out = self._read(step, params, opt_state, data_iter, log)
-          error = None
-        except Exception as e:  # noqa: BLE001 - any unreadable step: fall back, loudly
-          while e.__cause__ is not None:  # the storage's own words, not orbax's wrapping
-            e = e.__cause__
-          out, error = None, f"{type(e).__name__}: {str(e)[:200]}"
+      try:
+        out = self._read(step, params, opt_state, data_iter, log)
+        error = None
+      except Exception as e:  # noqa: BLE001 - any unreadable step: fall back, loudly
+        self._reports = self._reports or _FailedReadReports()
+        while e.__cause__ is not None:  # the storage's own words, not orbax's wrapping
+          e = e.__cause__
+        out, error = None, f"{type(e).__name__}: {str(e)[:200]}"
       if not _all_agree(error is None):
         where = f"{rundir.checkpoints(self.workdir)}/{step}"
         why = error or "another process could not read its part"
@@ -211,9 +210,18 @@ class Checkpoints:
     self.mgr.reload()
     return str(d / name)
 
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
   def close(self):
     self.mgr.wait_until_finished()
     self.mgr.close()
+    if self._reports is not None:
+      self._reports.remove()
+      self._reports = None
 
 
 def _all_agree(ok: bool) -> bool:
