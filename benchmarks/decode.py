@@ -59,7 +59,7 @@ def bench_decode(cfg, contexts, batch: int, steps: int) -> list[dict]:
       dt = time.perf_counter() - t
       out.append({"bench": "decode", "preset": m.preset or m.describe(), "context": context,
                   "batch": batch, "cache_bytes": kvcache.nbytes(cache),
-                  "n_bank_layers": sum(lv.is_bank for lv in ms.layers),
+                  "n_bank_layers": sum(layer_value.is_bank for layer_value in ms.layers),
                   "kv_dim": ms.n_kv_head * ms.head_dim,
                   "bytes_per_element": jnp.dtype(ms.dtype).itemsize,
                   "decode_steps": n, "tokens_per_s": batch * n / dt})
@@ -77,6 +77,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from bov_jax.runtime import hostmem
-  hostmem.reexec_with_huge_pages()  # as bov_jax.main does on CPU: see hostmem.py
+  from bov_jax.host import hugepages
+  hugepages.reexec_with_huge_pages()  # as bov_jax.main does on CPU: see hugepages.py
   cli.run(main)  # a missing extra: one line, exit 1

@@ -30,7 +30,7 @@ from absl import logging
 
 from benchmarks import common
 from bov_jax import cli
-from bov_jax.runtime import extras
+from bov_jax.host import extras
 
 _REFERENCE = flags.DEFINE_enum("reference", None, ["torch"],
                                "Also time each matmul in PyTorch (eager, needs torch).")
@@ -277,6 +277,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from bov_jax.runtime import hostmem
-  hostmem.reexec_with_huge_pages()  # as bov_jax.main does on CPU: see hostmem.py
+  from bov_jax.host import hugepages
+  hugepages.reexec_with_huge_pages()  # as bov_jax.main does on CPU: see hugepages.py
   cli.run(main)  # a missing extra: one line, exit 1

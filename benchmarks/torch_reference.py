@@ -213,7 +213,7 @@ def make_step(spec, compiled: bool = False):
   mode = spec.model.value
   if mode.preset not in ("gpt_base", "gpt_base_v_from_value_emb_learn"):
     raise ValueError("the PyTorch reference covers gpt_base and gpt_base_v_from_value_emb_learn")
-  banks = {i for i, lv in enumerate(spec.model.layers) if lv.is_bank}
+  banks = {i for i, layer_value in enumerate(spec.model.layers) if layer_value.is_bank}
   model = GPT(spec.model, banks)
   opts = make_optimizers(model, compiled)
   forward = torch.compile(model, dynamic=False) if compiled else model

@@ -23,7 +23,7 @@ from absl import logging
 from benchmarks import common
 from benchmarks import profile as profile_lib
 from bov_jax import cli
-from bov_jax.runtime import extras
+from bov_jax.host import extras
 
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps.")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps after compilation.")
@@ -73,6 +73,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from bov_jax.runtime import hostmem
-  hostmem.reexec_with_huge_pages()  # as bov_jax.main does on CPU: see hostmem.py
+  from bov_jax.host import hugepages
+  hugepages.reexec_with_huge_pages()  # as bov_jax.main does on CPU: see hugepages.py
   cli.run(main)  # a missing extra: one line, exit 1

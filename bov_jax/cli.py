@@ -21,8 +21,8 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from bov_jax.runtime import extras
-from bov_jax.runtime import hostmem
+from bov_jax.host import extras
+from bov_jax.host import hugepages
 
 FAILED = 1     # the README's exit codes: 0 done, 1 the run (or its environment) failed,
 BAD_INPUT = 2  # 2 bad input
@@ -107,7 +107,7 @@ def _quiet() -> None:
 def cpu_when_no_accelerator() -> None:
   """With no accelerator here, JAX runs on the CPU without probing for one: libtpu
   (installed for --mode=compile) would log start-up errors looking for a TPU."""
-  if "JAX_PLATFORMS" in os.environ or not hostmem.cpu_only():
+  if "JAX_PLATFORMS" in os.environ or not hugepages.cpu_only():
     return
   os.environ["JAX_PLATFORMS"] = "cpu"
   if "jax" in sys.modules:  # imported already: its setting read the environment before this
@@ -157,8 +157,8 @@ class Distributed:
     args = self.settings()
     if args is None:
       return
-    import jax  # not at the top: main re-executes itself before JAX starts (hostmem)
-    if hostmem.cpu_only():
+    import jax  # not at the top: main re-executes itself before JAX starts (host/hugepages.py)
+    if hugepages.cpu_only():
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**args)
 

@@ -21,7 +21,7 @@ from absl import flags
 
 from bov_jax import cli
 from bov_jax.evaluation import harness
-from bov_jax.runtime import process
+from bov_jax.host import process
 
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                "a run directory or an exported folder (export.py)")

@@ -16,7 +16,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from bov_jax import cli
-from bov_jax.runtime import hostmem
+from bov_jax.host import hugepages
 from bov_jax.settings import config as config_lib
 from bov_jax.store import rundir
 
@@ -86,5 +86,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  hostmem.reexec_with_huge_pages()  # before jax starts, CPU runs only: see hostmem.py
+  hugepages.reexec_with_huge_pages()  # before jax starts, CPU runs only: see hugepages.py
   cli.run(main)

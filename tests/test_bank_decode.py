@@ -171,7 +171,7 @@ def test_auto_takes_the_tpu_kernel_only_where_it_compiles(monkeypatch, caplog):
   assert spec.decode_attention == "fused_if_compiles"
   assert spec_lib.model_of(cfg, backend="gpu").decode_attention == "xla"
   assert spec_lib.model_of(cfg, backend="tpu").decode_attention == "xla"  # no TPU to ask
-  windows = {w for lv, w in zip(spec.layers, spec.windows) if lv.is_bank}
+  windows = {w for layer_value, w in zip(spec.layers, spec.windows) if layer_value.is_bank}
   bank_decode.compiles.cache_clear()
   with caplog.at_level(logging.WARNING):
     assert bank_decode.resolve(spec, jax.devices()[0]).decode_attention == "xla"

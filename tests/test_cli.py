@@ -11,7 +11,7 @@ import pytest
 
 from bov_jax import cli
 from bov_jax.data import corpus
-from bov_jax.runtime import hostmem
+from bov_jax.host import hugepages
 from bov_jax.store import rundir
 from tests import helpers
 from tests.conftest import ROOT
@@ -75,7 +75,7 @@ def _env(**extra):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not hostmem.cpu_only({}), reason="an accelerator here: JAX starts on it")
+@pytest.mark.skipif(not hugepages.cpu_only({}), reason="an accelerator here: JAX starts on it")
 def test_commands_print_only_their_own_lines(tiny_run, tmp_path):
   """export, report, convert and lm_eval print what they did and nothing of libtpu's
   start-up or the libraries' INFO logs; export lists every file it wrote."""

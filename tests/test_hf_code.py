@@ -108,10 +108,10 @@ def test_greedy_generate_gives_bov_jaxs_tokens_with_and_without_the_cache(tmp_pa
   for o in out:
     assert o.sequences[0, len(prompt):].tolist() == want
   cache = out[0].cache
-  for i, lv in enumerate(model.spec.layers):
+  for i, layer_value in enumerate(model.spec.layers):
     stored = cache.layers[i].values
     assert cache.layers[i].keys.shape[-2] == len(prompt) + n - 1
-    assert stored.shape[-1] == (model.spec.head_dim if lv.computes_v else 0), i
+    assert stored.shape[-1] == (model.spec.head_dim if layer_value.computes_v else 0), i
   assert cache.ids.tolist() == [out[0].sequences[0, :-1].tolist()]
 
 

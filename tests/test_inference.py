@@ -112,7 +112,7 @@ def test_memory_formula(batch, context):
   base = kvcache.init(_shapes("gpt_base"), batch, context)
   bov_model = _shapes("gpt_base_v_from_value_emb_learn")
   bov = kvcache.init(bov_model, batch, context)
-  n_bank = sum(b.attn.lv.is_bank for b in bov_model.blocks)
+  n_bank = sum(b.attn.layer_value.is_bank for b in bov_model.blocks)
   kv_dim, bpe = 2 * 16, 4
   saved = kvcache.nbytes(base) - kvcache.nbytes(bov)
   ids = batch * context * 4

@@ -48,7 +48,7 @@ def test_wandb_is_optional_and_named(tmp_path, monkeypatch):
   command prints that line and exits 1)."""
   import sys
 
-  from bov_jax.runtime import extras
+  from bov_jax.host import extras
   monkeypatch.setitem(sys.modules, "wandb", None)  # an import of it raises ImportError
   cfg = ml_collections.ConfigDict(dict(LOG, wandb_project="bov"))
   with pytest.raises(extras.MissingExtra,

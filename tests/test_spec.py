@@ -50,7 +50,7 @@ def test_derived_values_and_frozen():
   s = spec_lib.resolve(c)
   assert s.model.windows == (8, 8, 8, 64, 8, 64) and s.model.head_dim == 16
   assert s.model.target_layers == [4, 5] and s.model.value.source == "table"
-  assert [lv.is_bank for lv in s.model.layers] == [False] * 4 + [True] * 2
+  assert [layer_value.is_bank for layer_value in s.model.layers] == [False] * 4 + [True] * 2
   hash(s.model)  # a static part of the model: keys jit caches
   with pytest.raises(dataclasses.FrozenInstanceError):
     s.model.n_layer = 3

@@ -14,7 +14,7 @@ from flax import nnx
 
 from bov_jax.data import batches as data_lib
 from bov_jax.evaluation import bpb
-from bov_jax.runtime import process
+from bov_jax.host import process
 from bov_jax.training import step as step_lib
 from tests.helpers import TINY_RUN
 from tests.helpers import command

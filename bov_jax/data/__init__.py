@@ -3,5 +3,5 @@
 rows (batches.py), and a run's corpus split and tokenizer found or trained
 (sources.py).
 
-Imports: runtime, store.
+Imports: host, store.
 """

@@ -9,7 +9,7 @@ from jax.experimental import multihost_utils
 
 from bov_jax.data import corpus as corpus_lib
 from bov_jax.data import tokenizer as tok_lib
-from bov_jax.runtime import process
+from bov_jax.host import process
 from bov_jax.store import rundir
 
 

@@ -37,8 +37,8 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
+from bov_jax.host import process
 from bov_jax.kernels.sampling import greedy
-from bov_jax.runtime import process
 
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 SHUFFLE_SEED = 1337

@@ -36,12 +36,12 @@ import numpy as np
 
 from bov_jax.data import sources
 from bov_jax.evaluation import core
+from bov_jax.host import extras
+from bov_jax.host import process
 from bov_jax.inference import generate as inference
 from bov_jax.model import params as params_lib
 from bov_jax.parallel import sharding
 from bov_jax.run import spec as spec_lib
-from bov_jax.runtime import extras
-from bov_jax.runtime import process
 from bov_jax.store import rundir
 
 try:

@@ -22,9 +22,9 @@ from absl import logging
 from flax import nnx
 
 from bov_jax.data import tokenizer as tok_lib
+from bov_jax.host import extras
 from bov_jax.model import gpt as model_lib
 from bov_jax.run import spec as spec_lib
-from bov_jax.runtime import extras
 from bov_jax.settings import config as config_lib
 from bov_jax.store import checkpoint as ckpt_lib
 from bov_jax.store import rundir

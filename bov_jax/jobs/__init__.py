@@ -2,5 +2,5 @@
 modes (modes.py), experiment grids (sweep.py), the paper's tables and figures from
 finished runs (report.py).
 
-Imports: data, evaluation, inference, model, parallel, run, runtime, settings, store, training.
+Imports: data, evaluation, host, inference, model, parallel, run, settings, store, training.
 """

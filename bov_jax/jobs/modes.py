@@ -17,6 +17,8 @@ from flax import nnx
 from bov_jax.data import sources
 from bov_jax.evaluation import bpb
 from bov_jax.evaluation import core
+from bov_jax.host import process
+from bov_jax.host.process import log
 from bov_jax.inference import generate as inference
 from bov_jax.model import gpt as model_lib
 from bov_jax.model import params as params_lib
@@ -24,8 +26,6 @@ from bov_jax.parallel import sharding
 from bov_jax.parallel import topology as topology_lib
 from bov_jax.run import plan
 from bov_jax.run import spec as spec_lib
-from bov_jax.runtime import process
-from bov_jax.runtime.process import log
 from bov_jax.settings import config as config_lib
 from bov_jax.store import checkpoint as ckpt_lib
 from bov_jax.store import rundir

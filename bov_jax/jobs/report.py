@@ -13,10 +13,10 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
+from bov_jax.host import extras
 from bov_jax.model import gpt as model_lib
 from bov_jax.run import plan
 from bov_jax.run import spec as spec_lib
-from bov_jax.runtime import extras
 from bov_jax.store import checkpoint
 from bov_jax.store import rundir
 

@@ -71,8 +71,8 @@ def resolve(spec, device=None):
   import dataclasses
   if spec.decode_attention != "fused_if_compiles":
     return spec
-  windows = sorted({min(w, spec.sequence_len) for lv, w in zip(spec.layers, spec.windows)
-                    if lv.is_bank})
+  windows = sorted({min(w, spec.sequence_len) for layer_value, w in zip(spec.layers, spec.windows)
+                    if layer_value.is_bank})
   ok = all(compiles(spec.n_kv_head, spec.n_head // spec.n_kv_head, spec.head_dim,
                     spec.sequence_len, w, spec.dtype, spec.padded_vocab,
                     spec.embedding_dtype, device or jax.devices()[0])

@@ -4,5 +4,5 @@ cache (kvcache.py), the weight matmul's CPU form (matmul.py), the chunked
 cross-entropy (loss.py), and its parameters placed on a mesh or read from a
 checkpoint or an exported folder (params.py).
 
-Imports: kernels, parallel, runtime, settings, store.
+Imports: host, kernels, parallel, settings, store.
 """

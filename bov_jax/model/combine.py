@@ -10,25 +10,25 @@ from bov_jax.settings import values
 GATE_SCALE = 3.0    # g = 3 * sigmoid(x[..., :12] W_g)
 
 
-def combine(lv: values.LayerValue, v, v_tilde, coeffs: dict, gate_input=None, gate_w=None):
+def combine(layer_value: values.LayerValue, v, v_tilde, coeffs: dict, gate_input=None, gate_w=None):
   """The value a target layer attends over (the paper's Table 1 rows).
 
   v, v_tilde: [B, T, H_kv, dh] (v may be None where the layer has no W_v).
   coeffs: the layer's scalar coefficients by name; gate_input [B, T, >=12].
   """
-  if not lv.target:
+  if not layer_value.target:
     return v
-  learned = lv.coeff == "learned"
-  if lv.combine == "scale":
+  learned = layer_value.coeff == "learned"
+  if layer_value.combine == "scale":
     return coeffs["gamma"].astype(v.dtype) * v
-  if lv.combine == "replace":
+  if layer_value.combine == "replace":
     return coeffs["gamma"].astype(v_tilde.dtype) * v_tilde if learned else v_tilde
-  if lv.combine == "add":
+  if layer_value.combine == "add":
     if learned:
       return coeffs["alpha"].astype(v.dtype) * v + coeffs["beta"].astype(v.dtype) * v_tilde
     return 0.5 * v + 0.5 * v_tilde
-  if lv.combine == "gated_add":
+  if layer_value.combine == "gated_add":
     logits = gate_input[..., :values.GATE_CHANNELS] @ gate_w.astype(gate_input.dtype)
     g = GATE_SCALE * jax.nn.sigmoid(logits)  # [B, T, H_kv]
     return v + g[..., None].astype(v.dtype) * v_tilde
-  raise AssertionError(lv.combine)
+  raise AssertionError(layer_value.combine)

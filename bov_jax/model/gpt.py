@@ -74,17 +74,17 @@ class Attention(nnx.Module):
   def __init__(self, spec: ModelSpec, index: int):
     D, H, K, E = spec.n_embd, spec.n_head, spec.n_kv_head, spec.head_dim
     pd = jnp.dtype(spec.param_dtype)
-    self.lv = spec.layers[index]
+    self.layer_value = spec.layers[index]
     self.window = spec.windows[index]
     self.spec = spec  # static: the kernels' resolved settings
     self.n_head, self.n_kv_head, self.head_dim = H, K, E
     self.wq = _param((D, H * E), ("embed", "q_heads"), pd)
     self.wk = _param((D, K * E), ("embed", "kv_heads"), pd)
-    self.wv = _param((D, K * E), ("embed", "kv_heads"), pd) if self.lv.computes_v else None
+    self.wv = _param((D, K * E), ("embed", "kv_heads"), pd) if self.layer_value.computes_v else None
     self.wo = _param((H * E, D), ("q_heads", "embed"), pd)
-    self.coeffs = nnx.Dict({name: _param((), (), pd) for name in self.lv.coeff_names})
+    self.coeffs = nnx.Dict({name: _param((), (), pd) for name in self.layer_value.coeff_names})
     self.gate = (_param((values.GATE_CHANNELS, K), (None, None), pd)
-                 if self.lv.has_gate else None)
+                 if self.layer_value.has_gate else None)
 
   def project_v(self, x_BTD):
     B, T, _ = x_BTD.shape
@@ -97,14 +97,14 @@ class Attention(nnx.Module):
     H, K, E = self.n_head, self.n_kv_head, self.head_dim
     # One matmul for q, k (and v): fewer, larger matmuls run faster, and the
     # concatenated weight is small next to the activations.
-    ws = [self.wq[...], self.wk[...]] + ([self.wv[...]] if self.lv.uses_v else [])
+    ws = [self.wq[...], self.wk[...]] + ([self.wv[...]] if self.layer_value.uses_v else [])
     qkv = mm(x_BTD, jnp.concatenate(ws, axis=1).astype(x_BTD.dtype), self.spec.matmul)
     q = qkv[..., :H * E].reshape(B, T, H, E)
     k = qkv[..., H * E:(H + K) * E].reshape(B, T, K, E)
-    v = qkv[..., (H + K) * E:].reshape(B, T, K, E) if self.lv.uses_v else None
+    v = qkv[..., (H + K) * E:].reshape(B, T, K, E) if self.layer_value.uses_v else None
     q = rmsnorm(rotary(q, rope_cs)) * QK_NORM_SCALE
     k = rmsnorm(rotary(k, rope_cs)) * QK_NORM_SCALE
-    v = combine.combine(self.lv, v, v_tilde_BTKE, self.coefficients(), gate_input=x_BTD,
+    v = combine.combine(self.layer_value, v, v_tilde_BTKE, self.coefficients(), gate_input=x_BTD,
                        gate_w=None if self.gate is None else self.gate[...])
     return q, k, v
 
@@ -121,7 +121,7 @@ class Attention(nnx.Module):
       y = attention.self_attend(q, k, v, self.window, s.attention,
                                 interpret=s.splash_interpret, block=s.attention_block)
     else:
-      y, cache = kvcache.attend(kvcache.layer_settings(s, self.lv, self.window), q, k, v,
+      y, cache = kvcache.attend(kvcache.layer_settings(s, self.layer_value, self.window), q, k, v,
                                 cache, table, self.coefficients())
     return mm(y, self.wo[...], s.matmul), v, cache
 
@@ -203,12 +203,12 @@ class GPT(nnx.Module):
   def v_tilde(self, attn, x0n_BTD, v1_BTKE, idx_BT, table):
     """The context-free value V~ of a target layer (`attn` its attention, `table` its
     value table)."""
-    lv = attn.lv
-    if not lv.target or lv.source == "residual":
+    layer_value = attn.layer_value
+    if not layer_value.target or layer_value.source == "residual":
       return None
-    if lv.source == "x0":
+    if layer_value.source == "x0":
       return attn.project_v(x0n_BTD)
-    if lv.source == "v1":
+    if layer_value.source == "v1":
       return v1_BTKE
     B, T = idx_BT.shape
     rows = lookup.table_lookup(table, idx_BT, self.spec.table_lookup,

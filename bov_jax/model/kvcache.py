@@ -40,7 +40,7 @@ from bov_jax.settings import values
 @dataclasses.dataclass(frozen=True)
 class LayerSettings:
   """What `attend` needs to know of a layer (static)."""
-  lv: values.LayerValue
+  layer_value: values.LayerValue
   window: int
   n_kv_head: int
   group: int               # query heads per kv head
@@ -52,8 +52,8 @@ class LayerSettings:
   decode_interpret: bool
 
 
-def layer_settings(spec, lv, window: int) -> LayerSettings:
-  return LayerSettings(lv, window, spec.n_kv_head, spec.n_head // spec.n_kv_head,
+def layer_settings(spec, layer_value, window: int) -> LayerSettings:
+  return LayerSettings(layer_value, window, spec.n_kv_head, spec.n_head // spec.n_kv_head,
                        spec.head_dim, spec.table_lookup, spec.tables_on_host, spec.decode_attention,
                        spec.decode_kernel, spec.decode_interpret)
 
@@ -77,13 +77,13 @@ def init(model, batch: int, context: int) -> dict:
   for stage in spec.stages:
     entries = []
     for j in range(stage.period):
-      lv = spec.layers[stage.start + j]
+      layer_value = spec.layers[stage.start + j]
       entries.append({"k": rows(stage.repeats), **({"v": rows(stage.repeats)}
-                                                   if lv.computes_v else {})})
+                                                   if layer_value.computes_v else {})})
     layers.append(entries)
   cache = {"layers": layers, "prev": jnp.zeros((batch, spec.n_embd), dtype),
            "pos": jnp.zeros((batch,), jnp.int32)}
-  if any(lv.is_bank for lv in spec.layers):
+  if any(layer_value.is_bank for layer_value in spec.layers):
     cache["ids"] = jnp.zeros((batch, context), jnp.int32)
   return cache
 
@@ -143,22 +143,22 @@ def end(cache, last_pre_BD, T: int):
   return dict(cache, prev=last_pre_BD, pos=cache["pos"] + T)
 
 
-def _values(ls: LayerSettings, c: LayerCache, table, coeffs, rows, seqs):
+def _values(layer: LayerSettings, c: LayerCache, table, coeffs, rows, seqs):
   """Values of the cached positions for a layer (bank and V1 layers rebuild them).
   `rows` and `seqs` cut a [B * K, S, E] buffer and the [B, S] ids to the positions
   attention reads (all of them, or a sliding window's: `_window`)."""
-  lv = ls.lv
-  if lv.computes_v:
+  layer_value = layer.layer_value
+  if layer_value.computes_v:
     return rows(c.entry["v"][c.r])
-  if lv.source == "v1":
-    return combine.combine(lv, None, rows(c.v1_entry["v"][0]), coeffs)
+  if layer_value.source == "v1":
+    return combine.combine(layer_value, None, rows(c.v1_entry["v"][0]), coeffs)
   ids = seqs(c.whole["ids"])
   B, S = ids.shape
-  vals = lookup.table_lookup(table, ids, ls.table_lookup, ls.tables_on_host)
-  vals = vals.astype(c.entry["k"].dtype).reshape(B, S, ls.n_kv_head, ls.head_dim)
+  vals = lookup.table_lookup(table, ids, layer.table_lookup, layer.tables_on_host)
+  vals = vals.astype(c.entry["k"].dtype).reshape(B, S, layer.n_kv_head, layer.head_dim)
   # XLA writes the gathered rows straight into the layout attention reads (the
   # transpose folds into the gather).
-  return combine.combine(lv, None, attention.kv_rows(vals), coeffs)
+  return combine.combine(layer_value, None, attention.kv_rows(vals), coeffs)
 
 
 def _window(window: int, start_B, S: int, K: int):
@@ -176,51 +176,52 @@ def _window(window: int, start_B, S: int, K: int):
           lo_B[:, None] + jnp.arange(W)[None, :])
 
 
-def fused_bank(ls: LayerSettings, batch: int, context: int, table_shape) -> bool:
+def fused_bank(layer: LayerSettings, batch: int, context: int, table_shape) -> bool:
   """Whether this layer's decode step runs `bank_decode`'s kernel (a bank layer whose
   gather it fuses; `model.decode_attention`)."""
-  if not ls.lv.is_bank:
+  if not layer.layer_value.is_bank:
     return False
-  return bank_decode.kernel_for(ls.decode_attention, context, ls.head_dim, ls.tables_on_host,
-                                batch, table_shape, platform=ls.decode_kernel) == "fused"
+  return bank_decode.kernel_for(layer.decode_attention, context, layer.head_dim,
+                                layer.tables_on_host, batch, table_shape,
+                                platform=layer.decode_kernel) == "fused"
 
 
-def attend(ls: LayerSettings, q_BTHE, k_BTKE, v_BTKE, c: LayerCache, table=None,
+def attend(layer: LayerSettings, q_BTHE, k_BTKE, v_BTKE, c: LayerCache, table=None,
            coeffs=None):
   """A layer's attention [B, T, H * E] of T new positions per sequence over the cache,
   after writing their keys (and values, where the layer keeps them). Returns
   (output, the layer's stage entry updated)."""
-  K = ls.n_kv_head
+  K = layer.n_kv_head
   B, T = q_BTHE.shape[:2]
   coeffs = coeffs or {}
   start = c.whole["pos"]
   start_N = jnp.repeat(start, K)  # each kv-head row's sequence
   entry = dict(c.entry, k=_write_layer(c.entry["k"], attention.kv_rows(k_BTKE), c.r, start_N))
-  if ls.lv.computes_v:
+  if layer.layer_value.computes_v:
     entry["v"] = _write_layer(entry["v"], attention.kv_rows(v_BTKE), c.r, start_N)
   c = c._replace(entry=entry)
   keys = entry["k"][c.r]
   S = keys.shape[1]
-  if T == 1 and fused_bank(ls, B, S, None if table is None else table.shape):
-    y = bank_decode.attend(q_BTHE, keys, c.whole["ids"], table, start, ls.window,
-                           coeffs.get("gamma"), kernel=ls.decode_kernel,
-                           interpret=ls.decode_interpret)
+  if T == 1 and fused_bank(layer, B, S, None if table is None else table.shape):
+    y = bank_decode.attend(q_BTHE, keys, c.whole["ids"], table, start, layer.window,
+                           coeffs.get("gamma"), kernel=layer.decode_kernel,
+                           interpret=layer.decode_interpret)
     return y, entry
-  cut = _window(ls.window, start, S, K) if T == 1 else None
+  cut = _window(layer.window, start, S, K) if T == 1 else None
   pos = start[:, None] + jnp.arange(T)[None, :]
-  if ls.lv.is_bank and cut is None and S % BANK_BLOCK == 0 and S > BANK_BLOCK:
-    return bank_in_blocks(ls, q_BTHE, keys, c.whole["ids"], table, coeffs, pos,
+  if layer.layer_value.is_bank and cut is None and S % BANK_BLOCK == 0 and S > BANK_BLOCK:
+    return bank_in_blocks(layer, q_BTHE, keys, c.whole["ids"], table, coeffs, pos,
                           BANK_BLOCK), entry
   rows, seqs, kpos = cut or (lambda x: x, lambda x: x, jnp.broadcast_to(jnp.arange(S), (B, S)))
-  y = attention.attend(q_BTHE, rows(keys), _values(ls, c, table, coeffs, rows, seqs),
-                       pos, kpos, ls.window)
+  y = attention.attend(q_BTHE, rows(keys), _values(layer, c, table, coeffs, rows, seqs),
+                       pos, kpos, layer.window)
   return y, entry
 
 
 BANK_BLOCK = 512  # cached positions a bank layer gathers at a time (XLA's path)
 
 
-def bank_in_blocks(ls: LayerSettings, q_BTHE, k_NSE, ids_BS, table, coeffs, qpos_BT,
+def bank_in_blocks(layer: LayerSettings, q_BTHE, k_NSE, ids_BS, table, coeffs, qpos_BT,
                    block: int):
   """A bank layer's attention over its whole cache a block of positions at a time, its
   values gathered block by block under a lax.scan with an online softmax (flash
@@ -235,13 +236,14 @@ def bank_in_blocks(ls: LayerSettings, q_BTHE, k_NSE, ids_BS, table, coeffs, qpos
     m, l, acc = carry
     keys = jax.lax.dynamic_slice_in_dim(k_NSE, j * block, block, axis=1)
     ids = jax.lax.dynamic_slice_in_dim(ids_BS, j * block, block, axis=1)
-    rows = lookup.table_lookup(table, ids, ls.table_lookup,
-                                ls.tables_on_host).astype(k_NSE.dtype)
-    vals = combine.combine(ls.lv, None, attention.kv_rows(rows.reshape(B, block, K, E)), coeffs)
+    rows = lookup.table_lookup(table, ids, layer.table_lookup,
+                                layer.tables_on_host).astype(k_NSE.dtype)
+    vals = combine.combine(layer.layer_value, None,
+                           attention.kv_rows(rows.reshape(B, block, K, E)), coeffs)
     scores = jnp.einsum("nme,nse->nms", q_NME, keys,
                         preferred_element_type=jnp.float32) / np.sqrt(E)
     delta = qpos_BT[:, :, None] - (j * block + jnp.arange(block))[None, None, :]  # [B, T, s]
-    visible = (delta >= 0) & (delta <= ls.window)
+    visible = (delta >= 0) & (delta <= layer.window)
     visible = jnp.broadcast_to(visible[:, None, None], (B, K, H // K, T, block))
     scores = jnp.where(visible.reshape(N, -1, block), scores, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))

@@ -10,10 +10,10 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
+from bov_jax.host import process
 from bov_jax.model import gpt as model_lib
 from bov_jax.model import initialize
 from bov_jax.parallel import sharding
-from bov_jax.runtime import process
 from bov_jax.store import checkpoint as ckpt_lib
 from bov_jax.store import rundir
 from bov_jax.store import safetensors

@@ -141,7 +141,7 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
     u = lr_u * x_u + lr_u * wd_u * p_u * mask.astype(update_dtype)
     return (-u).astype(p.dtype)
 
-  def split(paths, gs, bufs, bufs2, ps, lr, m, wd, n_shards):
+  def split_over_devices(paths, gs, bufs, bufs2, ps, lr, m, wd, n_shards):
     """Every matrix's update and buffers, the work split over the devices: the matrices
     of one shape and layout stacked (a tall one transposed: its direction is the
     transpose of its transpose's, variance reduction included, so each MLP's two
@@ -151,15 +151,16 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
     groups = {}
     for k, g in enumerate(gs):
       tall = g.shape[0] > g.shape[1]
-      wide = lambda spec: P(*reversed(tuple(spec) + (None,) * (2 - len(spec)))) if tall else spec
-      p_spec, u_spec = map(wide, layout.specs(paths[k]))
+      as_wide = lambda spec: (P(*reversed(tuple(spec) + (None,) * (2 - len(spec)))) if tall
+                              else spec)
+      p_spec, u_spec = map(as_wide, layout.specs(paths[k]))
       groups.setdefault((g.shape[::-1] if tall else g.shape, p_spec), []).append((k, tall, u_spec))
     for (_, p_spec), members in groups.items():
       u_specs = {u_spec for _, _, u_spec in members}  # where the momentum step leaves them
       u_spec = u_specs.pop() if len(u_specs) == 1 else None
       members = [(k, tall) for k, tall, _ in members]
       pad = -len(members) % n_shards
-      t = lambda x, tall: x.T if tall else x
+      wide = lambda x, tall: x.T if tall else x
 
       def stack(xs, spec=None):  # stacked where each matrix is, then split by matrices
         xs = jnp.stack(xs + [jnp.zeros_like(xs[0])] * pad)
@@ -170,18 +171,19 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
       us = []
       for k, tall in members:
         u, new_bufs[k] = muon_momentum_step(gs[k], bufs[k], m)
-        us.append(t(u, tall))
-      x, b2 = jax.vmap(ortho)(stack(us, u_spec), stack([t(bufs2[k], tl) for k, tl in members]))
+        us.append(wide(u, tall))
+      x, b2 = jax.vmap(ortho)(stack(us, u_spec),
+                              stack([wide(bufs2[k], tall) for k, tall in members]))
       lr_eff = jnp.stack([lr * math.sqrt(max(1.0, gs[k].shape[1] / gs[k].shape[0]))
                           for k, _ in members] + [lr] * pad)
       u = jax.vmap(apply, in_axes=(0, 0, 0, None))(
-          x, stack([t(ps[k], tl) for k, tl in members], p_spec), lr_eff, wd)
+          x, stack([wide(ps[k], tall) for k, tall in members], p_spec), lr_eff, wd)
       u = jax.lax.with_sharding_constraint(u, P(None, *p_spec))
       for j, (k, tall) in enumerate(members):
-        upd[k], new_bufs2[k] = t(u[j], tall), t(b2[j], tall)
+        upd[k], new_bufs2[k] = wide(u[j], tall), wide(b2[j], tall)
     return upd, new_bufs, new_bufs2
 
-  def local(gs, bufs, bufs2, ps, lr, m, wd):
+  def one_device(gs, bufs, bufs2, ps, lr, m, wd):
     """Every matrix's update and buffers on this device (stacked by shape when batched)."""
     groups = {}
     for k, g in enumerate(gs):
@@ -220,10 +222,10 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
     p_leaves = treedef.flatten_up_to(params)
     n_shards = sharding.shards("stack") if layout is not None else 1
     if n_shards > 1:
-      upd, bufs, bufs2 = split([path for path, _ in paths_g], g_leaves, b_leaves, s_leaves,
-                               p_leaves, lr, m, wd, n_shards)
+      upd, bufs, bufs2 = split_over_devices([path for path, _ in paths_g], g_leaves, b_leaves,
+                                            s_leaves, p_leaves, lr, m, wd, n_shards)
     else:
-      upd, bufs, bufs2 = local(g_leaves, b_leaves, s_leaves, p_leaves, lr, m, wd)
+      upd, bufs, bufs2 = one_device(g_leaves, b_leaves, s_leaves, p_leaves, lr, m, wd)
     unflat = lambda xs: jax.tree.unflatten(treedef, xs)
     return unflat(upd), MuonState(it + 1, unflat(bufs), unflat(bufs2))
 
@@ -256,7 +258,7 @@ def labels(params):
   return jax.tree_util.tree_map_with_path(f, params)
 
 
-def hyperparams(o, n_embd: int, batch_tokens: int, scaling_params: int,
+def hyperparams(optim_cfg, n_embd: int, batch_tokens: int, scaling_params: int,
                 ref_scaling_params: int) -> dict:
   """Effective learning rates and Muon weight decay (the reference's scaling): every
   base LR times sqrt(batch_tokens / 2^19), embedding-like ones also by (d/768)^-0.5,
@@ -264,33 +266,35 @@ def hyperparams(o, n_embd: int, batch_tokens: int, scaling_params: int,
   dmodel_scale = (n_embd / 768) ** -0.5
   batch_scale = math.sqrt(batch_tokens / 2 ** 19)
   return {
-      "unembed": o.unembedding_lr * dmodel_scale * batch_scale,
-      "embed": o.embedding_lr * dmodel_scale * batch_scale,
+      "unembed": optim_cfg.unembedding_lr * dmodel_scale * batch_scale,
+      "embed": optim_cfg.embedding_lr * dmodel_scale * batch_scale,
       "smear": 0.2,  # fixed in the reference, not derived from a base LR
-      "alpha": o.scalar_lr * 0.01 * batch_scale,
-      "beta_gamma": o.scalar_lr * batch_scale,
-      "table": o.embedding_lr * dmodel_scale * 0.5 * batch_scale,
-      "muon": o.matrix_lr * batch_scale,
-      "muon_weight_decay": o.weight_decay * batch_scale * ref_scaling_params / scaling_params,
+      "alpha": optim_cfg.scalar_lr * 0.01 * batch_scale,
+      "beta_gamma": optim_cfg.scalar_lr * batch_scale,
+      "table": optim_cfg.embedding_lr * dmodel_scale * 0.5 * batch_scale,
+      "muon": optim_cfg.matrix_lr * batch_scale,
+      "muon_weight_decay": (optim_cfg.weight_decay * batch_scale * ref_scaling_params
+                            / scaling_params),
   }
 
 
-def make(o, num_iterations: int, hp: dict | None = None,
+def make(optim_spec, num_iterations: int, rates: dict | None = None,
          layout=None) -> optax.GradientTransformation:
-  """The whole optimizer for an OptimSpec `o`, with `hp` from `hyperparams` (default: the
-  effective values resolved into `o`, `o.hyperparams`); `layout`
+  """The whole optimizer for an OptimSpec, with `rates` from `hyperparams` (default: the
+  effective values resolved into it, `optim_spec.hyperparams`); `layout`
   (a `state_layout.UpdateLayout`) splits Muon's work over the mesh (optim.shard_optimizer)."""
-  hp = o.hyperparams if hp is None else hp
-  mult = lambda it: lr_multiplier(it, num_iterations, o.warmup_steps, o.warmdown_ratio,
-                                  o.final_lr_frac)
+  rates = optim_spec.hyperparams if rates is None else rates
+  mult = lambda it: lr_multiplier(it, num_iterations, optim_spec.warmup_steps,
+                                  optim_spec.warmdown_ratio, optim_spec.final_lr_frac)
   groups = {}
   for name, (betas, wd) in ADAM_GROUPS.items():
-    groups[name] = optax.adamw(learning_rate=lambda it, lr=hp[name]: lr * mult(it),
+    groups[name] = optax.adamw(learning_rate=lambda it, lr=rates[name]: lr * mult(it),
                                b1=betas[0], b2=betas[1], eps=1e-10, weight_decay=wd)
   groups["muon"] = muon(
-      learning_rate=lambda it: hp["muon"] * mult(it),
-      momentum=lambda it: muon_momentum(it, num_iterations, o.warmdown_ratio),
-      weight_decay=lambda it: muon_weight_decay(it, num_iterations, hp["muon_weight_decay"]),
-      batched=o.muon_batched, polar_dtype=jnp.dtype(o.polar_dtype), polar_gram=o.polar_gram,
-      update_dtype=jnp.dtype(o.update_dtype), layout=layout)
+      learning_rate=lambda it: rates["muon"] * mult(it),
+      momentum=lambda it: muon_momentum(it, num_iterations, optim_spec.warmdown_ratio),
+      weight_decay=lambda it: muon_weight_decay(it, num_iterations, rates["muon_weight_decay"]),
+      batched=optim_spec.muon_batched, polar_dtype=jnp.dtype(optim_spec.polar_dtype),
+      polar_gram=optim_spec.polar_gram,
+      update_dtype=jnp.dtype(optim_spec.update_dtype), layout=layout)
   return optax.partition(groups, labels)

@@ -73,22 +73,23 @@ class RunSpec:
 
 
 
-def _optim(o, backend: str, compute_dtype: str, hyperparams: dict) -> OptimSpec:
+def _optim(optim_cfg, backend: str, compute_dtype: str, hyperparams: dict) -> OptimSpec:
   return OptimSpec(
-      embedding_lr=o.embedding_lr, unembedding_lr=o.unembedding_lr, matrix_lr=o.matrix_lr,
-      scalar_lr=o.scalar_lr, weight_decay=o.weight_decay, warmup_steps=o.warmup_steps,
-      warmdown_ratio=o.warmdown_ratio, final_lr_frac=o.final_lr_frac,
+      embedding_lr=optim_cfg.embedding_lr, unembedding_lr=optim_cfg.unembedding_lr,
+      matrix_lr=optim_cfg.matrix_lr, scalar_lr=optim_cfg.scalar_lr,
+      weight_decay=optim_cfg.weight_decay, warmup_steps=optim_cfg.warmup_steps,
+      warmdown_ratio=optim_cfg.warmdown_ratio, final_lr_frac=optim_cfg.final_lr_frac,
       # one matrix at a time measured faster on CPU; batched on accelerators
-      muon_batched=tristate(o.muon_batched, backend != "cpu"),
+      muon_batched=tristate(optim_cfg.muon_batched, backend != "cpu"),
       # bfloat16 operands as in the reference (products accumulate in float32)
-      polar_dtype="bfloat16" if o.polar_dtype == "auto" else o.polar_dtype,
+      polar_dtype="bfloat16" if optim_cfg.polar_dtype == "auto" else optim_cfg.polar_dtype,
       # the float32 Gram-space form has fewer FLOPs; accelerators run bf16 matmuls
       # several times faster than float32 ones, so there the direct iteration wins
-      polar_gram=tristate(o.polar_gram, backend == "cpu"),
+      polar_gram=tristate(optim_cfg.polar_gram, backend == "cpu"),
       # the reference applies Muon's update in bfloat16 under bfloat16 compute
       update_dtype=(("bfloat16" if compute_dtype == "bfloat16" else "float32")
-                    if o.muon_update_dtype == "auto" else o.muon_update_dtype),
-      shard_optimizer=bool(o.shard_optimizer), hyperparams=hyperparams)
+                    if optim_cfg.muon_update_dtype == "auto" else optim_cfg.muon_update_dtype),
+      shard_optimizer=bool(optim_cfg.shard_optimizer), hyperparams=hyperparams)
 
 
 def configured_devices(mesh_cfg, here: int | None = None) -> int:

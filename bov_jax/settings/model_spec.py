@@ -129,8 +129,8 @@ def layer_stages(m: ModelSpec) -> tuple[Stage, ...]:
   later layers read, stands alone."""
   if not m.scan:
     return tuple(Stage(i, 1, 1) for i in range(m.n_layer))
-  kinds = [(lv, w, i == 0 and m.value.source == "v1")
-           for i, (lv, w) in enumerate(zip(m.layers, m.windows))]
+  kinds = [(layer_value, w, i == 0 and m.value.source == "v1")
+           for i, (layer_value, w) in enumerate(zip(m.layers, m.windows))]
   best = None
   for p in range(1, MAX_PERIOD + 1):
     stages = _segment(kinds, p)

@@ -3,5 +3,5 @@ names and its config of record (rundir.py), orbax checkpoints (checkpoint.py), w
 as safetensors files (safetensors.py), metrics and throughput (metrics.py), profiles
 (profiler.py).
 
-Imports: runtime, settings.
+Imports: host, settings.
 """

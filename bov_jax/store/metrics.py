@@ -18,7 +18,7 @@ import time
 
 import jax
 
-from bov_jax.runtime import extras
+from bov_jax.host import extras
 from bov_jax.store import rundir
 from bov_jax.store import storage
 

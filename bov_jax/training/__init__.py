@@ -3,5 +3,5 @@ agreed preemption (preemption.py), and the run's
 programs compiled for a TPU slice (aot.py, as MaxText's train_compile.py beside its
 train.py).
 
-Imports: data, evaluation, inference, model, optim, parallel, run, runtime, store.
+Imports: data, evaluation, host, inference, model, optim, parallel, run, store.
 """

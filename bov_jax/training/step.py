@@ -144,29 +144,32 @@ def build(spec: RunSpec, mesh, num_iterations: int, key=None, init: bool = True)
     raise ValueError(f"the run spec is resolved for {spec.n_devices} devices, the mesh has "
                      f"{mesh.size}: resolve it with n_devices={mesh.size}")
   key = jax.random.key(spec.train.seed) if key is None else key
-  graphdef, params, p_sh = (params_lib.init_params(spec.model, mesh, key) if init
-                            else params_lib.abstract_params(spec.model, mesh))
-  param_specs = sharding.param_specs_of(p_sh)
-  split = (state_layout.UpdateLayout(param_specs,
-                                     state_layout.update_specs(param_specs, params, mesh))
-           if spec.optim.shard_optimizer and mesh.size > 1 else None)
-  u_specs = None if split is None else split.update_specs
-  tx = optim.make(spec.optim, num_iterations, layout=split)
+  graphdef, params, param_shardings = (params_lib.init_params(spec.model, mesh, key) if init
+                                       else params_lib.abstract_params(spec.model, mesh))
+  param_specs = sharding.param_specs_of(param_shardings)
+  update_layout = (state_layout.UpdateLayout(param_specs,
+                                             state_layout.update_specs(param_specs, params, mesh))
+                   if spec.optim.shard_optimizer and mesh.size > 1 else None)
+  update_specs = None if update_layout is None else update_layout.update_specs
+  tx = optim.make(spec.optim, num_iterations, layout=update_layout)
   with jax.set_mesh(mesh):
-    abstract, specs = state_layout.optimizer_specs(tx, params,
-                                               param_specs if split is None else u_specs)
-    o_sh = sharding.named(mesh, specs)
-    opt_state = (jax.jit(tx.init, out_shardings=o_sh)(params) if init else
+    abstract, specs = state_layout.optimizer_specs(
+        tx, params, param_specs if update_layout is None else update_specs)
+    opt_shardings = sharding.named(mesh, specs)
+    opt_state = (jax.jit(tx.init, out_shardings=opt_shardings)(params) if init else
                  jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                              abstract, o_sh))
-  batch_sh = sharding.batch_sharding(mesh, leading_dims=2)
-  train_step = jax.jit(make_train_step(graphdef, tx, u_specs),
-                       in_shardings=(p_sh, o_sh, batch_sh, batch_sh),
-                       out_shardings=(p_sh, o_sh, None), donate_argnums=(0, 1))
-  g_sh = p_sh if u_specs is None else sharding.named(mesh, u_specs)
-  update_step = jax.jit(make_update(tx), in_shardings=(g_sh, o_sh, p_sh),
-                        out_shardings=(p_sh, o_sh))
+                              abstract, opt_shardings))
+  batch_shardings = sharding.batch_sharding(mesh, leading_dims=2)
+  train_step = jax.jit(make_train_step(graphdef, tx, update_specs),
+                       in_shardings=(param_shardings, opt_shardings, batch_shardings,
+                                     batch_shardings),
+                       out_shardings=(param_shardings, opt_shardings, None), donate_argnums=(0, 1))
+  grad_shardings = param_shardings if update_specs is None else sharding.named(mesh, update_specs)
+  update_step = jax.jit(make_update(tx),
+                        in_shardings=(grad_shardings, opt_shardings, param_shardings),
+                        out_shardings=(param_shardings, opt_shardings))
   return TrainSetup(graphdef=graphdef, tx=tx, params=params, opt_state=opt_state,
-                    param_shardings=p_sh, opt_shardings=o_sh, grad_shardings=g_sh,
+                    param_shardings=param_shardings, opt_shardings=opt_shardings,
+                    grad_shardings=grad_shardings,
                     layout=spec.batch, train_step=train_step,
                     eval_step=jax.jit(make_eval_step(graphdef)), update_step=update_step)

@@ -22,13 +22,13 @@ from bov_jax.data import corpus
 from bov_jax.data import sources
 from bov_jax.evaluation import bpb
 from bov_jax.evaluation import core
+from bov_jax.host import process
+from bov_jax.host.process import log
 from bov_jax.inference import generate as inference
 from bov_jax.model import params as params_lib
 from bov_jax.optim import optimizer as optim
 from bov_jax.parallel import sharding
 from bov_jax.run import plan
-from bov_jax.runtime import process
-from bov_jax.runtime.process import log
 from bov_jax.store import checkpoint as ckpt_lib
 from bov_jax.store import metrics
 from bov_jax.store import profiler
