@@ -55,7 +55,7 @@ def train(spec, workdir: str | None) -> dict:
   owner = _open_rundir(spec, workdir) if workdir else None
   try:
     tok = sources.tokenizer(spec, workdir, splits[0])
-    n = plan.num_iterations(spec, plan.flops_per_token(spec.model))
+    num_steps = plan.num_iterations(spec, plan.flops_per_token(spec.model))
     ckpts = ckpt_lib.Checkpoints(workdir, keep=spec.train.keep_checkpoints) if workdir else None
     # With checkpoints there, the run restores one (or fails, naming them): the state
     # to restore into is abstract, never initialised. Process 0's answer holds for all:
@@ -63,12 +63,12 @@ def train(spec, workdir: str | None) -> dict:
     resuming = ckpts is not None and bool(ckpts.all_steps())
     if jax.process_count() > 1:
       resuming = bool(multihost_utils.broadcast_one_to_all(np.int32(resuming)))
-    setup = step_lib.build(spec, mesh, n, init=not resuming)
+    setup = step_lib.build(spec, mesh, num_steps, init=not resuming)
     if spec.init_from and not resuming:  # weights from an exported folder
       setup.params = params_lib.placed(safetensors.read_weights(spec.init_from), setup.params,
                                        f"model.init_from={spec.init_from}")
     with jax.set_mesh(mesh):
-      run, state = _set_up(spec, workdir, mesh, setup, tok, splits, n, ckpts)
+      run, state = _set_up(spec, workdir, mesh, setup, tok, splits, num_steps, ckpts)
       return _loop(run, state)
   finally:
     if owner is not None:
@@ -114,7 +114,7 @@ class _Run:
   mesh: object
   setup: step_lib.TrainSetup
   tok: object
-  n: int  # the run's last step
+  last_step: int
   ckpts: ckpt_lib.Checkpoints | None
   data: object  # the data iterator (its state is saved with every checkpoint)
   evaluator: bpb.Evaluator
@@ -152,20 +152,21 @@ class _State:
 def _loop(run: _Run, state: _State) -> dict:
   """The run's steps. After each: whether to stop, then the actions due (all decided
   before any runs, so none decides for another), then the step's record."""
-  n, t = run.n, run.spec.train
+  last_step, train_cfg, eval_cfg = run.last_step, run.spec.train, run.spec.eval
   _begin(run, state)
-  while state.step < n:
+  while state.step < last_step:
     step = _dispatch(run, state)  # the step starts on the device; the one before is read
     stop = state.stop_requested or run.preemption.maintenance(step)
-    save = run.ckpts is not None and (stop or step == n or _every(step, t.checkpoint_every))
-    evaluate = step == n or _every(step, t.eval_every)
-    core_due = _core_on(run.spec) and (step == n or _every(step, run.spec.eval.core_every))
+    end = step == last_step
+    save = run.ckpts is not None and (stop or end or _every(step, train_cfg.checkpoint_every))
+    evaluate = end or _every(step, train_cfg.eval_every)
+    core_due = _core_on(run.spec) and (end or _every(step, eval_cfg.core_every))
     if run.profiler.due(step):
       run.profiler.after(step, sync=lambda: jax.block_until_ready(state.params))
     next_batch = None
     # The next batch loads while the device runs this step, except before a checkpoint:
     # the data iterator's state it saves must be the one right after this step.
-    if step < n and not save:
+    if not end and not save:
       next_batch = _load(run, state)
     if evaluate:
       _timed(run, state, "val_bpb", lambda: run.evaluator(state.params))
@@ -173,15 +174,15 @@ def _loop(run: _Run, state: _State) -> dict:
       _timed(run, state, "core", lambda: core.run(run.spec, run.setup.graphdef, state.params,
                                                   run.tok)["core"])
     if save:
-      _save(run, state, last=stop or step == n)
-    if step == n and not stop:
+      _save(run, state, final=stop or end)
+    if end and not stop:
       _sample(run, state)
-    if (stop or evaluate or core_due or save or step in (run.first, n)
-        or _every(step, t.log_every)):  # what those actions measured is in the record
+    if (stop or evaluate or core_due or save or end or step == run.first
+        or _every(step, train_cfg.log_every)):  # what those actions measured is in the record
       _write_record(run, state)
     if stop:
       return _stop(run, state)
-    if next_batch is None and step < n:
+    if next_batch is None and not end:
       next_batch = _load(run, state)
     state.batch = next_batch
   return _end(run, state)
@@ -197,7 +198,7 @@ def _core_on(spec) -> bool:
 
 # -- set-up --------------------------------------------------------------------------------
 
-def _set_up(spec, workdir, mesh, setup, tok, splits, n, ckpts) -> tuple[_Run, _State]:
+def _set_up(spec, workdir, mesh, setup, tok, splits, last_step, ckpts) -> tuple[_Run, _State]:
   """The run's fixed parts, and the state of its newest checkpoint (a new run's
   initial state with none)."""
   state = _State(step=0, params=setup.params, opt_state=setup.opt_state)
@@ -215,7 +216,8 @@ def _set_up(spec, workdir, mesh, setup, tok, splits, n, ckpts) -> tuple[_Run, _S
       spec.train.batch_tokens, plan.flops_per_token(spec.model), metrics.peak_flops() * n_dev,
       remeasure=(lambda: metrics.peak_flops(again=True) * n_dev) if cpu else None)
   run = _Run(
-      spec=spec, workdir=workdir, mesh=mesh, setup=setup, tok=tok, n=n, ckpts=ckpts,
+      spec=spec, workdir=workdir, mesh=mesh, setup=setup, tok=tok, last_step=last_step,
+      ckpts=ckpts,
       data=data, first=state.step + 1,
       evaluator=bpb.Evaluator(spec, mesh, setup.eval_step, splits[1], tok,
                               setup.layout.local_rows),
@@ -235,7 +237,7 @@ def _begin(run: _Run, state: _State) -> None:
   """The run's header, a new run's step-0 evaluation, the first batch, and the train
   step compiled on it, with the bytes it takes per device logged (what --mode=compile
   reports for a slice)."""
-  log(f"bov_jax: {run.spec.model.describe()} | {run.n} steps x "
+  log(f"bov_jax: {run.spec.model.describe()} | {run.last_step} steps x "
       f"{run.spec.train.batch_tokens:,} tokens (accum {run.setup.layout.accum}) | "
       f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
   if state.step == 0:
@@ -279,7 +281,7 @@ def _bad_data(run: _Run, state: _State, e: Exception, before) -> Exception:
   if run.ckpts is not None and jax.process_count() == 1 and saved != state.step:
     _read_in_flight(run, state)  # the step's loss read (and checked) before it is kept
     run.data.set_state(before)
-    _save(run, state, last=True)
+    _save(run, state, final=True)
     run.ckpts.close()
     saved = state.step
   where = f"{rundir.checkpoints(run.workdir)}/{saved}" if saved is not None else "none"
@@ -320,7 +322,7 @@ def _read(run: _Run, state: _State, done: _InFlight) -> None:
                      f"Last good checkpoint: {where}")
   state.stop_requested = state.stop_requested or bool(done.stop)
   optim_spec = run.spec.optim
-  lr = optim.lr_multiplier(done.step - 1, run.n, optim_spec.warmup_steps,
+  lr = optim.lr_multiplier(done.step - 1, run.last_step, optim_spec.warmup_steps,
                            optim_spec.warmdown_ratio, optim_spec.final_lr_frac)
   state.record = {"step": done.step, "train_loss": loss, "lr": float(lr),
                   "tokens": done.step * run.spec.train.batch_tokens}
@@ -343,23 +345,23 @@ def _timed(run: _Run, state: _State, key: str, evaluate) -> None:
   run.throughput.exclude(seconds)
 
 
-def _save(run: _Run, state: _State, last: bool) -> None:
+def _save(run: _Run, state: _State, final: bool) -> None:
   run.ckpts.save(state.step, state.params, state.opt_state, run.data,
                  {"step": state.step, "train_loss": state.record.get("train_loss"),
-                  "processes": jax.process_count()}, force=last)
+                  "processes": jax.process_count()}, force=final)
 
 
 def _sample(run: _Run, state: _State) -> None:
   """A greedy continuation of sample.prompt (every process runs the jitted steps;
   process 0 prints)."""
-  n = run.spec.train.sample_tokens
-  if n <= 0:
+  new_tokens = run.spec.train.sample_tokens
+  if new_tokens <= 0:
     return
   prompt = run.tok.encode(run.spec.sample.prompt)
   if (why := inference.prompt_too_long(len(prompt), run.spec.model.sequence_len)):
     log(f"sample: skipped, {why}")
     return
-  ids = inference.generate_uncached(run.setup.graphdef, state.params, prompt, n,
+  ids = inference.generate_uncached(run.setup.graphdef, state.params, prompt, new_tokens,
                                     run.spec.model.sequence_len, temperature=0.0)
   log("sample: " + repr(run.tok.decode(prompt[1:] + ids)))
 
@@ -368,7 +370,7 @@ def _write_record(run: _Run, state: _State) -> None:
   record = _read_in_flight(run, state)
   record.update(run.throughput.read())
   run.writer.write(record)
-  log(metrics.progress_line(record, run.n, run.spec.train.batch_tokens))
+  log(metrics.progress_line(record, run.last_step, run.spec.train.batch_tokens))
 
 
 # -- the end -------------------------------------------------------------------------------
