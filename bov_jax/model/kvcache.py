@@ -14,6 +14,14 @@ The cache, per sequence of the batch, up to `context` positions:
   prev    the previous token's pre-smear embedding (the smear gate needs it)
   pos     how many positions each sequence holds
 
+A paged cache (`init_paged`, for serving many sequences at once) holds the same entries
+in a pool of fixed-size pages instead: each layer's {"k": [R, pages * K, page, E], "v"
+where it keeps values}, the ids [pages, page] once for the model, and a page table per
+sequence ("pages" [B, max_pages]) naming the page of each run of `page` positions. A
+layer reads its sequences' pages as the contiguous rows above (`_page_view`), so the
+attention is the same code; page 0 is never handed out and takes the writes of
+positions no page holds (a padded prompt's tail).
+
 The model's one forward (`GPT.__call__` with a cache) calls `begin`, then `attend`
 in every layer, which takes its part of the cache as a value and returns it
 updated, then `end`. A decode step (one new token) of a sliding-window layer reads
@@ -88,6 +96,62 @@ def init(model, batch: int, context: int) -> dict:
   return cache
 
 
+def page_bytes(model, page_size: int) -> int:
+  """The bytes one page of a paged cache takes: every layer's keys, values only where
+  the layer computes them (a bank layer's are its table's rows), the ids once."""
+  spec = model.spec
+  kv = spec.n_kv_head * spec.head_dim * page_size * jnp.dtype(model.compute_dtype).itemsize
+  per_layer = sum(kv * (2 if layer_value.computes_v else 1) for layer_value in spec.layers)
+  ids = 4 * page_size if any(layer_value.is_bank for layer_value in spec.layers) else 0
+  return per_layer + ids
+
+
+def init_paged(model, slots: int, num_pages: int, page_size: int, max_pages: int) -> dict:
+  """An empty paged cache: a pool of `num_pages` pages of `page_size` positions, and
+  `slots` sequences of up to `max_pages` pages each (their page tables all page 0)."""
+  spec, dtype = model.spec, model.compute_dtype
+  K, E = spec.n_kv_head, spec.head_dim
+  pool = lambda R: jnp.zeros((R, num_pages * K, page_size, E), dtype)
+  layers = []
+  for stage in spec.stages:
+    entries = []
+    for j in range(stage.period):
+      layer_value = spec.layers[stage.start + j]
+      entries.append({"k": pool(stage.repeats), **({"v": pool(stage.repeats)}
+                                                   if layer_value.computes_v else {})})
+    layers.append(entries)
+  cache = {"layers": layers, "prev": jnp.zeros((slots, spec.n_embd), dtype),
+           "pos": jnp.zeros((slots,), jnp.int32),
+           "pages": jnp.zeros((slots, max_pages), jnp.int32)}
+  if any(layer_value.is_bank for layer_value in spec.layers):
+    cache["ids"] = jnp.zeros((num_pages, page_size), jnp.int32)
+  return cache
+
+
+def _page_slots(pages_BM, start_B, T: int, page_size: int):
+  """(page [B, T], offset [B, T]) of T positions from each sequence's start; page 0
+  (written, never read) where no page of the table holds the position."""
+  pos = start_B[:, None] + jnp.arange(T)[None, :]
+  index = pos // page_size
+  held = index < pages_BM.shape[1]
+  page = jnp.take_along_axis(pages_BM, jnp.minimum(index, pages_BM.shape[1] - 1), axis=1)
+  return jnp.where(held, page, 0), pos % page_size
+
+
+def _write_pages(pool_RNPE, new_NTE, r, pages_BM, start_B, K: int):
+  """The new positions' rows (b * K + h) written into their pages: row page * K + h."""
+  page, offset = _page_slots(pages_BM, start_B, new_NTE.shape[1], pool_RNPE.shape[2])
+  rows = (page[:, None, :] * K + jnp.arange(K)[None, :, None]).reshape(-1, page.shape[1])
+  return pool_RNPE.at[r, rows, jnp.repeat(offset, K, axis=0)].set(new_NTE)
+
+
+def _page_view(pool_NPE, pages_BM, K: int):
+  """Each sequence's pages as contiguous rows [B * K, max_pages * page, E]."""
+  rows = (pages_BM[:, None, :] * K + jnp.arange(K)[None, :, None]).reshape(-1, pages_BM.shape[1])
+  view = pool_NPE[rows]  # [B * K, M, page, E]
+  return view.reshape(view.shape[0], -1, view.shape[-1])
+
+
 def by_layer(spec, cache: dict) -> list[dict]:
   """Layer i's part of the cache, {"k": [B * K, S, E], "v": ... where it keeps values},
   for i in order (for reading a cache; the model reads its stages whole)."""
@@ -129,9 +193,15 @@ def _write_layer(buf_RNSE, new_NTE, r, start_N):
 
 def begin(cache, idx_BT):
   """(the cache holding the new ids, their positions [B, T], the pre-smear embedding
-  before each sequence's first new token or 0 where there is none)."""
+  before each sequence's first new token or 0 where there is none). A paged cache also
+  carries, for this forward only, every sequence's ids as contiguous rows."""
   start = cache["pos"]
-  if "ids" in cache:
+  if "ids" in cache and "pages" in cache:
+    page, offset = _page_slots(cache["pages"], start, idx_BT.shape[1], cache["ids"].shape[1])
+    ids = cache["ids"].at[page, offset].set(idx_BT.astype(jnp.int32))
+    view = ids[cache["pages"]]
+    cache = dict(cache, ids=ids, ids_view=view.reshape(view.shape[0], -1))
+  elif "ids" in cache:
     cache = dict(cache, ids=_write(cache["ids"], idx_BT.astype(jnp.int32), start))
   pos = start[:, None] + jnp.arange(idx_BT.shape[1])[None, :]
   return cache, pos, jnp.where((start > 0)[:, None], cache["prev"], 0)
@@ -140,19 +210,26 @@ def begin(cache, idx_BT):
 def end(cache, last_pre_BD, T: int):
   """The cache after all layers ran T new tokens (last_pre: the last one's pre-smear
   embedding)."""
+  cache = {k: v for k, v in cache.items() if k != "ids_view"}
   return dict(cache, prev=last_pre_BD, pos=cache["pos"] + T)
 
 
-def _values(layer: LayerSettings, c: LayerCache, table, coeffs, rows, seqs):
+def _ids(whole) -> jax.Array:
+  """Every sequence's cached ids [B, S]."""
+  return whole["ids_view"] if "ids_view" in whole else whole["ids"]
+
+
+def _values(layer: LayerSettings, c: LayerCache, table, coeffs, rows, seqs, view):
   """Values of the cached positions for a layer (bank and V1 layers rebuild them).
   `rows` and `seqs` cut a [B * K, S, E] buffer and the [B, S] ids to the positions
-  attention reads (all of them, or a sliding window's: `_window`)."""
+  attention reads (all of them, or a sliding window's: `_window`); `view` reads a
+  buffer as those rows (a paged cache's pages)."""
   layer_value = layer.layer_value
   if layer_value.computes_v:
-    return rows(c.entry["v"][c.r])
+    return rows(view(c.entry["v"][c.r]))
   if layer_value.source == "v1":
-    return combine.combine(layer_value, None, rows(c.v1_entry["v"][0]), coeffs)
-  ids = seqs(c.whole["ids"])
+    return combine.combine(layer_value, None, rows(view(c.v1_entry["v"][0])), coeffs)
+  ids = seqs(_ids(c.whole))
   B, S = ids.shape
   vals = lookup.table_lookup(table, ids, layer.table_lookup, layer.tables_on_host)
   vals = vals.astype(c.entry["k"].dtype).reshape(B, S, layer.n_kv_head, layer.head_dim)
@@ -195,14 +272,22 @@ def attend(layer: LayerSettings, q_BTHE, k_BTKE, v_BTKE, c: LayerCache, table=No
   B, T = q_BTHE.shape[:2]
   coeffs = coeffs or {}
   start = c.whole["pos"]
-  start_N = jnp.repeat(start, K)  # each kv-head row's sequence
-  entry = dict(c.entry, k=_write_layer(c.entry["k"], attention.kv_rows(k_BTKE), c.r, start_N))
+  if "pages" in c.whole:  # a paged cache: written into its pages, read as rows
+    pages = c.whole["pages"]
+    write = lambda buf, new: _write_pages(buf, new, c.r, pages, start, K)  # noqa: E731
+    view = lambda buf: _page_view(buf, pages, K)  # noqa: E731
+  else:
+    start_N = jnp.repeat(start, K)  # each kv-head row's sequence
+    write = lambda buf, new: _write_layer(buf, new, c.r, start_N)  # noqa: E731
+    view = lambda buf: buf  # noqa: E731
+  entry = dict(c.entry, k=write(c.entry["k"], attention.kv_rows(k_BTKE)))
   if layer.layer_value.computes_v:
-    entry["v"] = _write_layer(entry["v"], attention.kv_rows(v_BTKE), c.r, start_N)
+    entry["v"] = write(entry["v"], attention.kv_rows(v_BTKE))
   c = c._replace(entry=entry)
-  keys = entry["k"][c.r]
+  keys = view(entry["k"][c.r])
   S = keys.shape[1]
-  if T == 1 and fused_bank(layer, B, S, None if table is None else table.shape):
+  if (T == 1 and "pages" not in c.whole
+      and fused_bank(layer, B, S, None if table is None else table.shape)):
     y = bank_decode.attend(q_BTHE, keys, c.whole["ids"], table, start, layer.window,
                            coeffs.get("gamma"), kernel=layer.decode_kernel,
                            interpret=layer.decode_interpret)
@@ -210,10 +295,10 @@ def attend(layer: LayerSettings, q_BTHE, k_BTKE, v_BTKE, c: LayerCache, table=No
   cut = _window(layer.window, start, S, K) if T == 1 else None
   pos = start[:, None] + jnp.arange(T)[None, :]
   if layer.layer_value.is_bank and cut is None and S % BANK_BLOCK == 0 and S > BANK_BLOCK:
-    return bank_in_blocks(layer, q_BTHE, keys, c.whole["ids"], table, coeffs, pos,
+    return bank_in_blocks(layer, q_BTHE, keys, _ids(c.whole), table, coeffs, pos,
                           BANK_BLOCK), entry
   rows, seqs, kpos = cut or (lambda x: x, lambda x: x, jnp.broadcast_to(jnp.arange(S), (B, S)))
-  y = attention.attend(q_BTHE, rows(keys), _values(layer, c, table, coeffs, rows, seqs),
+  y = attention.attend(q_BTHE, rows(keys), _values(layer, c, table, coeffs, rows, seqs, view),
                        pos, kpos, layer.window)
   return y, entry
 
