@@ -87,6 +87,11 @@ def _serve(srv, announce) -> None:
   """uvicorn's server, announcing once it is bound (SIGINT and SIGTERM shut it down
   gracefully: uvicorn's own handlers)."""
   import asyncio
+  import signal
+
+  # uvicorn drains on SIGTERM, then raises it again for the handler it found: a no-op
+  # one, so a drained server exits 0 instead of dying by the signal.
+  signal.signal(signal.SIGTERM, lambda *_: None)
 
   async def run():
     task = asyncio.create_task(srv.serve())

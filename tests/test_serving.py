@@ -258,6 +258,9 @@ def test_overload_is_told_to_retry_and_a_key_is_required_when_set(tiny_run):
     assert r.status_code == 429 and r.headers["Retry-After"] == "1"
     assert "busy" in r.json()["error"]["message"]
     assert http.get("/health").status_code == 200  # no key needed outside /v1/
+    engine.stop()  # the waiting request ends (503), so the client can close
+    first.join(timeout=30)
+    assert not first.is_alive()
 
 
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(tiny_run):

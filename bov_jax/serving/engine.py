@@ -154,11 +154,15 @@ class Engine:
     self.thread.start()
 
   def stop(self) -> None:
+    """Stops serving: what is left (in flight or waiting) ends with "abort"."""
     with self.lock:
       self.running = False
       self.lock.notify()
     if self.thread is not None:
       self.thread.join(timeout=60)
+    else:  # never started: only the queue holds requests
+      while self.queue:
+        self._end(self.queue.popleft(), "abort")
 
   def warm(self) -> None:
     table = self.pool.table  # all page 0: the writes land on the page no sequence holds
