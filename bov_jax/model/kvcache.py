@@ -80,20 +80,20 @@ def init(model, batch: int, context: int) -> dict:
   shapes: a model or its abstract structure)."""
   spec, dtype = model.spec, model.compute_dtype
   K, E = spec.n_kv_head, spec.head_dim
-  rows = lambda R: jnp.zeros((R, batch * K, context, E), dtype)
-  layers = []
-  for stage in spec.stages:
-    entries = []
-    for j in range(stage.period):
-      layer_value = spec.layers[stage.start + j]
-      entries.append({"k": rows(stage.repeats), **({"v": rows(stage.repeats)}
-                                                   if layer_value.computes_v else {})})
-    layers.append(entries)
-  cache = {"layers": layers, "prev": jnp.zeros((batch, spec.n_embd), dtype),
+  rows = lambda R: jnp.zeros((R, batch * K, context, E), dtype)  # noqa: E731
+  cache = {"layers": _layers(spec, rows), "prev": jnp.zeros((batch, spec.n_embd), dtype),
            "pos": jnp.zeros((batch,), jnp.int32)}
   if any(layer_value.is_bank for layer_value in spec.layers):
     cache["ids"] = jnp.zeros((batch, context), jnp.int32)
   return cache
+
+
+def _layers(spec, buffer) -> list:
+  """Per stage, per layer position of its block: {"k": buffer(R), "v": where the layer
+  computes its values}."""
+  return [[{"k": buffer(stage.repeats),
+            **({"v": buffer(stage.repeats)} if spec.layers[stage.start + j].computes_v else {})}
+           for j in range(stage.period)] for stage in spec.stages]
 
 
 def page_bytes(model, page_size: int) -> int:
@@ -111,16 +111,8 @@ def init_paged(model, slots: int, num_pages: int, page_size: int, max_pages: int
   `slots` sequences of up to `max_pages` pages each (their page tables all page 0)."""
   spec, dtype = model.spec, model.compute_dtype
   K, E = spec.n_kv_head, spec.head_dim
-  pool = lambda R: jnp.zeros((R, num_pages * K, page_size, E), dtype)
-  layers = []
-  for stage in spec.stages:
-    entries = []
-    for j in range(stage.period):
-      layer_value = spec.layers[stage.start + j]
-      entries.append({"k": pool(stage.repeats), **({"v": pool(stage.repeats)}
-                                                   if layer_value.computes_v else {})})
-    layers.append(entries)
-  cache = {"layers": layers, "prev": jnp.zeros((slots, spec.n_embd), dtype),
+  pool = lambda R: jnp.zeros((R, num_pages * K, page_size, E), dtype)  # noqa: E731
+  cache = {"layers": _layers(spec, pool), "prev": jnp.zeros((slots, spec.n_embd), dtype),
            "pos": jnp.zeros((slots,), jnp.int32),
            "pages": jnp.zeros((slots, max_pages), jnp.int32)}
   if any(layer_value.is_bank for layer_value in spec.layers):
