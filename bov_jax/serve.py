@@ -21,6 +21,7 @@ from absl import flags
 
 from bov_jax import cli
 from bov_jax.host import extras
+from bov_jax.serving import load
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a finished run directory or an exported folder")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "the address to listen on")
@@ -59,13 +60,12 @@ def main(argv) -> int:
   extras.require("uvicorn", "serve", "bov_jax.serve")
   import uvicorn  # an optional extra: imported once it is known to be there
 
-  from bov_jax.serving import load
   try:
     engine, name = load.engine(_WORKDIR.value, _SLOTS.value, _PAGE.value, _CACHE_BYTES.value,
                                _MAX_QUEUE.value)
   except (ValueError, OSError) as e:
     return cli.failed(e)
-  from bov_jax.serving import server
+  from bov_jax.serving import server  # FastAPI: the serve extra, known to be there now
   app_ = server.make_app(engine, _NAME.value or name, _API_KEY.value, start=False)
   engine.start()  # compiles before the server says it listens
   config = uvicorn.Config(app_, host=_HOST.value, port=_PORT.value, log_level="warning",
