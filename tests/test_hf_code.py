@@ -156,11 +156,11 @@ def test_lm_evals_own_hf_model_on_the_folder_agrees_with_bov_jax_lm_eval(tmp_pat
   """lm-eval's `hf` model (the folder loaded by transformers, as `lm_eval --model hf
   --model_args pretrained=FOLDER,trust_remote_code=True` runs it) and `bov_jax.lm_eval` on
   the same folder: the same accuracies, each request's log-likelihood within 1e-4 and the
-  same greedy answer, the same generated text. The rolling log-likelihoods differ by
-  lm-eval's own choice: its hf model scores the tokenizer's <|bos|> after its prefix
-  <|bos|>, which bov_jax scores once (the hf numbers are bov_jax's on those tokens)."""
+  same greedy answer, the same generated text; and on the perplexity task, run as the
+  docs' command runs it (`add_bos_token=False`: lm-eval puts its own <|bos|> in front of
+  the text, so the tokenizer must not add a second), the same bits per byte within 1e-4
+  and each text's log-likelihood within 1e-4."""
   from lm_eval import evaluator
-  from lm_eval import utils as lm_utils
 
   from bov_jax.evaluation import harness
   _, out, _ = exported(tmp_path, tok, "gpt_base_v_from_value_emb_learn")
@@ -191,11 +191,16 @@ def test_lm_evals_own_hf_model_on_the_folder_agrees_with_bov_jax_lm_eval(tmp_pat
   text = {s["doc_id"]: s["resps"] for s in bov["samples"]["bov_tiny_gen"]}
   assert {s["doc_id"]: s["resps"] for s in hf["samples"]["bov_tiny_gen"]} == text
   assert any(r[0][0] for r in text.values())  # something was generated
-  lm = harness.BovLM(out, batch_size=8)
-  for s in hf["samples"]["bov_tiny_ppl"]:
-    (text_,), ((hf_ll,),) = s["arguments"][0], s["resps"]
-    windows = map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
-        token_list=tok.encode(text_), prefix_token=tok.bos_id, max_seq_len=CONTEXT,
-        context_len=1))
-    want = sum(ll for ll, _ in lm._loglikelihood_tokens([(None, *w) for w in windows]))
-    assert abs(hf_ll - want) <= 1e-4
+  ppl = evaluator.simple_evaluate(
+      model="hf", model_args=f"pretrained={out},trust_remote_code=True,add_bos_token=False",
+      device="cpu", batch_size=8, tasks=["bov_tiny_ppl"],
+      task_manager=harness.task_manager(TASKS, ["bov_tiny_ppl"]), log_samples=True)
+  for m in ("bits_per_byte,none", "word_perplexity,none"):
+    ours, theirs = record["results"]["bov_tiny_ppl"][m], ppl["results"]["bov_tiny_ppl"][m]
+    record_property(f"bov_tiny_ppl {m}", f"bov_jax {ours} hf {theirs}")
+    assert abs(ours - theirs) <= 1e-4 * max(1.0, abs(ours)), m
+  ours = {s["doc_id"]: s["resps"][0][0] for s in bov["samples"]["bov_tiny_ppl"]}
+  theirs = {s["doc_id"]: s["resps"][0][0] for s in ppl["samples"]["bov_tiny_ppl"]}
+  assert ours.keys() == theirs.keys() and len(ours) >= 2
+  for doc, ll in ours.items():
+    assert abs(ll - theirs[doc]) <= 1e-4, doc

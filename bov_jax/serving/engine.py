@@ -43,6 +43,7 @@ class Request:
   top_p: float = 1.0
   seed: int = 0
   stop: tuple = ()
+  ignore_eos: bool = False  # vLLM's setting: decode max_tokens even past <|bos|>
   arrived: float = dataclasses.field(default_factory=time.perf_counter)
   generated: list = dataclasses.field(default_factory=list)
   cancelled: bool = False
@@ -143,7 +144,9 @@ class Engine:
               "slots": self.limits.slots, "pages_used": self.pool.used,
               "pages_free": len(self.pool.free), "tokens_per_s": rate,
               "requests": self.counts["requests"], "tokens": self.counts["tokens"],
-              "preemptions": self.counts["preemptions"]}
+              "preemptions": self.counts["preemptions"],
+              "decode_steps": self.counts["decode_steps"],
+              "peak_active": self.counts["peak_active"]}
 
   def start(self) -> None:
     """Compiles every program (a prefill per prompt length, the decode step), then serves
@@ -241,6 +244,8 @@ class Engine:
     out = self.programs.decode(self.tokens, active, self.pool.table, self.sampling.all(), index)
     with self.lock:
       self.recent.append((time.perf_counter(), int(active.sum())))
+      self.counts["decode_steps"] += 1
+      self.counts["peak_active"] = max(self.counts["peak_active"], int(active.sum()))
     for slot, request in enumerate(self.slots):
       if request is not None:
         self._emit(slot, request, int(out[slot]))
@@ -267,7 +272,7 @@ class Engine:
     with self.lock:
       self.counts["tokens"] += 1
     reason = None
-    if token == self.tok.bos_id:
+    if token == self.tok.bos_id and not request.ignore_eos:
       reason = "stop"
     text = self.tok.decode([t for t in request.generated if t != self.tok.bos_id])
     for stop in request.stop:
