@@ -171,8 +171,7 @@ class Engine:
     table = self.pool.table  # all page 0: the writes land on the page no sequence holds
     for length in self.prefill_lengths:
       self.programs.prefill(0, [0], length, table, self.sampling.row(0), 0)
-    self.programs.decode(self.tokens, np.zeros(self.limits.slots, bool), table,
-                         self.sampling.all(), np.zeros(self.limits.slots, np.int32))
+    self.programs.warm(table)
 
   # -- the engine's thread -------------------------------------------------------------
 
@@ -241,7 +240,9 @@ class Engine:
     if not active.any():
       return
     index = np.asarray([len(r.generated) if r else 0 for r in self.slots], np.int32)
-    out = self.programs.decode(self.tokens, active, self.pool.table, self.sampling.all(), index)
+    held = max(self.pool.held[s] for s in np.flatnonzero(active))
+    out = self.programs.decode(self.tokens, active, self.pool.table, self.sampling.all(), index,
+                               held)
     with self.lock:
       self.recent.append((time.perf_counter(), int(active.sum())))
       self.counts["decode_steps"] += 1

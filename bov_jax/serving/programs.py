@@ -1,7 +1,13 @@
 """The engine's two device programs over the paged cache, of fixed shapes so nothing
 compiles while serving: a prompt prefilled into one slot (one program per padded prompt
-length), and one decode step of every slot at once. Each chooses its next token on the
-device with the slot's own sampling settings."""
+length), and one decode step of the active slots. Each chooses its next token on the
+device with the slot's own sampling settings.
+
+A decode step runs on a bucket of rows and of pages, not on every slot's whole context:
+the active slots gathered into the smallest power-of-two row count that holds them, each
+reading only the first pages that the longest of them holds (also a power of two). Its
+cost follows what is in flight, as vLLM's does, with a few programs compiled at start-up
+instead of one per shape."""
 
 from __future__ import annotations
 
@@ -42,20 +48,29 @@ class Sampling:
 def choose(logits_SV, temperature_S, top_k_S, top_p_S, seed_S, index_S, sampler: str):
   """One token per row: greedy (kernels/sampling.py's, the first largest logit) where the
   temperature is 0, else drawn from softmax(logits / temperature) cut to the top k and
-  to the smallest set whose probability reaches top_p."""
-  greedy = choice.greedy(logits_SV, sampler)
+  to the smallest set whose probability reaches top_p. Only the steps some row needs
+  run: sorting the vocabulary costs more than a small model's decode step on a CPU."""
+  greedy = choice.greedy(logits_SV, sampler).astype(jnp.int32)
   V = logits_SV.shape[-1]
-  z = logits_SV / jnp.where(temperature_S > 0, temperature_S, 1.0)[:, None]
-  desc = -jnp.sort(-z, axis=-1)
-  k = jnp.where(top_k_S > 0, jnp.minimum(top_k_S, V), V)
-  top_k_floor = jnp.take_along_axis(desc, (k - 1)[:, None], axis=1)
-  mass = jnp.cumsum(jax.nn.softmax(desc, axis=-1), axis=-1)
-  last = jnp.minimum(jnp.sum(mass < top_p_S[:, None], axis=-1), V - 1)
-  top_p_floor = jnp.take_along_axis(desc, last[:, None], axis=1)
-  z = jnp.where(z >= jnp.maximum(top_k_floor, top_p_floor), z, -jnp.inf)
-  keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seed_S, index_S)
-  drawn = jax.vmap(jax.random.categorical)(keys, z)
-  return jnp.where(temperature_S > 0, drawn, greedy).astype(jnp.int32)
+
+  def cut(z):
+    desc = -jnp.sort(-z, axis=-1)
+    k = jnp.where(top_k_S > 0, jnp.minimum(top_k_S, V), V)
+    top_k_floor = jnp.take_along_axis(desc, (k - 1)[:, None], axis=1)
+    mass = jnp.cumsum(jax.nn.softmax(desc, axis=-1), axis=-1)
+    last = jnp.minimum(jnp.sum(mass < top_p_S[:, None], axis=-1), V - 1)
+    top_p_floor = jnp.take_along_axis(desc, last[:, None], axis=1)
+    return jnp.where(z >= jnp.maximum(top_k_floor, top_p_floor), z, -jnp.inf)
+
+  def drawn():
+    z = logits_SV / jnp.where(temperature_S > 0, temperature_S, 1.0)[:, None]
+    cuts = (temperature_S > 0) & ((top_k_S > 0) | (top_p_S < 1.0))
+    z = jax.lax.cond(jnp.any(cuts), cut, lambda z: z, z)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seed_S, index_S)
+    out = jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
+    return jnp.where(temperature_S > 0, out, greedy)
+
+  return jax.lax.cond(jnp.any(temperature_S > 0), drawn, lambda: greedy)
 
 
 class Programs:
@@ -64,19 +79,21 @@ class Programs:
   def __init__(self, graphdef, params, slots: int, num_pages: int, page_size: int,
                max_pages: int):
     self.graphdef, self.params = graphdef, params
-    self.slots, self.page_size = slots, page_size
+    self.slots, self.page_size, self.max_pages = slots, page_size, max_pages
     model = nnx.merge(graphdef, params)
     self.sampler, self.vocab_size = model.spec.sampler, model.spec.vocab_size
     self.cache = jax.jit(functools.partial(kvcache.init_paged, model, slots, num_pages,
                                            page_size, max_pages))()
-    self._prefill = jax.jit(self._prefill_fn, donate_argnums=1)
-    self._decode = jax.jit(self._decode_fn, donate_argnums=1)
+    self._prefill = jax.jit(self._prefill_fn, donate_argnums=1, static_argnames="pages")
+    self._decode = jax.jit(self._decode_fn, donate_argnums=1, static_argnames="pages")
+    self.row_buckets = _powers(min(8, slots), slots)
+    self.page_buckets = _powers(min(4, max_pages), max_pages)
 
   def _prefill_fn(self, params, cache, pages_SM, ids_1T, length, slot, temperature, top_k,
-                  top_p, seed, index):
+                  top_p, seed, index, *, pages):
     model = nnx.merge(self.graphdef, params)
     one = dict(cache, prev=cache["prev"][slot][None], pos=jnp.zeros((1,), jnp.int32),
-               pages=pages_SM[slot][None])
+               pages=pages_SM[slot][None, :pages])
     logits, one = model(ids_1T, one)
     pre = model_lib.rmsnorm(model.wte[...].astype(model.compute_dtype)[ids_1T[0, length - 1]])
     cache = dict(one, prev=cache["prev"].at[slot].set(pre), pos=cache["pos"].at[slot].set(length),
@@ -86,11 +103,18 @@ class Programs:
     return token[0], cache
 
   def _decode_fn(self, params, cache, pages_SM, tokens_S, active_S, temperature, top_k, top_p,
-                 seed, index_S):
+                 seed, index_S, rows_A, *, pages):
+    """One step of the slots `rows_A` (the active ones, then inactive ones to fill the
+    bucket), each reading its first `pages` pages."""
     model = nnx.merge(self.graphdef, params)
-    cache = dict(cache, pages=pages_SM, pos=jnp.where(active_S, cache["pos"], 0))
-    logits, cache = model(tokens_S[:, None], cache)
-    return choose(logits[:, 0], temperature, top_k, top_p, seed, index_S, self.sampler), cache
+    some = dict(cache, pages=pages_SM[rows_A, :pages], prev=cache["prev"][rows_A],
+                pos=jnp.where(active_S[rows_A], cache["pos"][rows_A], 0))
+    logits, some = model(tokens_S[rows_A][:, None], some)
+    cache = dict(some, pages=pages_SM, prev=cache["prev"].at[rows_A].set(some["prev"]),
+                 pos=cache["pos"].at[rows_A].set(some["pos"]))
+    out = choose(logits[:, 0], temperature[rows_A], top_k[rows_A], top_p[rows_A], seed[rows_A],
+                 index_S[rows_A], self.sampler)
+    return jnp.zeros_like(tokens_S).at[rows_A].set(out), cache
 
   def prefill(self, slot: int, ids: list[int], padded: int, pages, sampling: tuple,
               index: int) -> int:
@@ -98,11 +122,39 @@ class Programs:
     buf = np.zeros((1, padded), np.int32)
     buf[0, :len(ids)] = ids
     token, self.cache = self._prefill(self.params, self.cache, pages, buf, np.int32(len(ids)),
-                                      np.int32(slot), *sampling, np.asarray([index], np.int32))
+                                      np.int32(slot), *sampling, np.asarray([index], np.int32),
+                                      pages=min(self.max_pages, -(-padded // self.page_size)))
     return int(token)
 
-  def decode(self, tokens, active, pages, sampling: tuple, index) -> np.ndarray:
-    """Every slot's next token, each active slot's input token run at its position."""
+  def decode(self, tokens, active, pages, sampling: tuple, index, held: int | None = None,
+             rows: int | None = None) -> np.ndarray:
+    """Every slot's next token (0 where inactive), each active slot's input token run at
+    its position; `held`: the most pages an active slot holds (default: all). `rows` and
+    `held` pick the bucket (default: the smallest that holds them)."""
+    active = np.asarray(active, bool)
+    on = np.flatnonzero(active)
+    size = rows or next(n for n in self.row_buckets if n >= len(on))
+    rows_A = np.concatenate([on, np.flatnonzero(~active)[:size - len(on)]]).astype(np.int32)
+    span = next(n for n in self.page_buckets if n >= (held or self.max_pages))
     out, self.cache = self._decode(self.params, self.cache, pages, tokens, active, *sampling,
-                                   index)
+                                   index, rows_A, pages=span)
     return np.asarray(out)
+
+  def warm(self, pages) -> None:
+    """Compiles the decode step of every bucket (all rows inactive: nothing is written
+    where a sequence reads)."""
+    none = np.zeros(self.slots, bool)
+    zeros = np.zeros(self.slots, np.int32)
+    sampling = (np.zeros(self.slots, np.float32), zeros, np.ones(self.slots, np.float32), zeros)
+    for rows in self.row_buckets:
+      for held in self.page_buckets:
+        self.decode(zeros, none, pages, sampling, zeros, held, rows)
+
+
+def _powers(lo: int, hi: int) -> list[int]:
+  """lo, 2 lo, 4 lo, ... below hi, then hi."""
+  out = []
+  while lo < hi:
+    out.append(lo)
+    lo *= 2
+  return out + [hi]
