@@ -330,3 +330,19 @@ ENTRY %main (a: bf16[4,8]) -> bf16[4,8] {
 }
 """
   assert pods.collectives(hlo) == {"collective_permute": 16 * 4 * 8 * 2}
+
+
+@pytest.mark.slow
+def test_bench_serve_runs_every_system_on_one_request_set(tiny_run):
+  """The engine, the baseline, static batches and transformers on the same 12 requests:
+  the same output tokens, greedy engine tokens equal to static decoding's, and a BoV cache
+  position smaller than the baseline's."""
+  recs = _bench("serve", f"--workdir={tiny_run}", "--requests=12", "--max_prompt=48",
+                "--outputs=4:0.5,24:0.5", "--slots=8", "--cache_tokens=512", "--json")
+  by = {r.get("system", r["bench"]): r for r in recs}
+  assert set(by) == {"engine", "baseline", "static", "hf", "serve_ratios"}
+  assert len({by[s]["output_tokens"] for s in ("engine", "baseline", "static", "hf")}) == 1
+  assert by["engine"]["same_tokens_as_static"] == "12/12"
+  assert by["engine"]["cache_bytes_per_position"] < by["baseline"]["cache_bytes_per_position"]
+  for s in ("engine", "baseline", "static", "hf"):
+    assert by[s]["tokens_per_s"] > 0 and by[s]["ttft_p50_s"] <= by[s]["ttft_p99_s"]
