@@ -2,7 +2,7 @@
 baseline at the same cache budget, and peers on the exported folder.
 
   python -m benchmarks.serve --workdir=runs/tiny [--requests=128] [--cache_tokens=4096]
-      [--slots=64] [--systems=engine,baseline,static,hf,vllm] [--vllm_python=PATH] [--json]
+      [--slots=64] [--systems=engine,baseline,static,hf] [--json]
 
 The requests: prompts cut from the held-out split's documents (lengths uniform in
 [--min_prompt, --max_prompt]), output lengths drawn from a long-tailed mix; each request
@@ -18,8 +18,6 @@ every layer), in bytes; every system of this project gets those bytes:
   static    `inference.stream` over batches in arrival order, as many sequences per batch as
             contiguous caches of the batch's length fit in the budget
   hf        the exported folder in transformers' `generate`, the static batches' sizes
-  vllm      the exported folder in vLLM's CPU build (benchmarks/serve_vllm.py, run by
-            --vllm_python), its Transformers backend, its cache as --cache_tokens of its own
 Per system: output tokens/s, time to first token p50/p99, sequences in flight (peak, and the
 mean over decode steps), cache bytes per position.
 """
@@ -27,9 +25,6 @@ mean over decode steps), cache bytes per position.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
 import tempfile
 import threading
 import time
@@ -64,9 +59,7 @@ _CACHE_TOKENS = flags.DEFINE_integer("cache_tokens", 4096,
 _SLOTS = flags.DEFINE_integer("slots", 64, "The engine's decode slots.")
 _PAGE = flags.DEFINE_integer("page_size", 16, "The engine's page size.")
 _SYSTEMS = flags.DEFINE_list("systems", ["engine", "baseline", "static", "hf"],
-                             "Which systems to run (engine, baseline, static, hf, vllm).")
-_VLLM_PYTHON = flags.DEFINE_string("vllm_python", None,
-                                   "The Python of vLLM's environment (for --systems=vllm).")
+                             "Which systems to run (engine, baseline, static, hf).")
 _SEED = flags.DEFINE_integer("seed", 0, "The request set's seed.")
 
 
@@ -252,23 +245,6 @@ def run_hf(folder: str, reqs, batch_size: int, bos: int) -> dict:
                   {"torch_threads": torch.get_num_threads()})
 
 
-def run_vllm(python: str, folder: str, reqs, cache_bytes: int) -> dict:
-  """vLLM's CPU build in its own environment (benchmarks/serve_vllm.py), same requests."""
-  with tempfile.TemporaryDirectory() as tmp:
-    path = os.path.join(tmp, "requests.json")
-    with open(path, "w") as f:
-      json.dump([dataclasses.asdict(r) for r in reqs], f)
-    proc = subprocess.run(
-        [python, os.path.join(os.path.dirname(__file__), "serve_vllm.py"), folder, path,
-         str(cache_bytes)], capture_output=True, text=True, check=False)
-  if proc.returncode != 0:
-    raise RuntimeError(f"vLLM exited {proc.returncode}:\n{proc.stderr[-4000:]}")
-  rec = json.loads(proc.stdout.strip().splitlines()[-1])
-  return _summary("vllm", reqs, rec["output_tokens"], rec["seconds"], rec["ttft"],
-                  {"in_flight_peak": rec.get("in_flight_peak")},
-                  rec["cache_bytes_per_position"], {"vllm": rec["version"]})
-
-
 # -- the run --------------------------------------------------------------------------------
 
 def baseline_of(spec):
@@ -279,8 +255,7 @@ def baseline_of(spec):
 
 
 def bench_serve(workdir: str, systems, n_requests: int, prompt_lengths, outputs: str,
-                cache_tokens: int, slots: int, page: int, seed: int,
-                vllm_python: str | None) -> list[dict]:
+                cache_tokens: int, slots: int, page: int, seed: int) -> list[dict]:
   spec = spec_lib.resolve(rundir.config_of(workdir), n_devices=1)
   mesh = sharding.make_mesh(spec.mesh, jax.devices()[:1])
   tok = sources.tokenizer(spec, workdir)
@@ -306,21 +281,14 @@ def bench_serve(workdir: str, systems, n_requests: int, prompt_lengths, outputs:
                           page, context)
     elif system == "static":
       rec, tokens["static"] = run_static(graphdef, params, reqs, budget, context)
-    elif system in ("hf", "vllm"):
+    elif system == "hf":
       if folder is None:
         from bov_jax.interop import export
         folder = tempfile.mkdtemp(prefix="bov_serve_")
         export.export(workdir, folder, dtype="float32")
-      if system == "hf":
-        rec = run_hf(folder, reqs, static_size, tok.bos_id)
-      else:
-        if not vllm_python:
-          raise ValueError("--systems=vllm needs --vllm_python (the Python of vLLM's "
-                           "environment; docs/performance.md says how to make one)")
-        rec = run_vllm(vllm_python, folder, reqs, budget)
+      rec = run_hf(folder, reqs, static_size, tok.bos_id)
     else:
-      raise ValueError(f"--systems: unknown system {system!r} (engine, baseline, static, hf, "
-                       "vllm)")
+      raise ValueError(f"--systems: unknown system {system!r} (engine, baseline, static, hf)")
     rec["budget_bytes"] = budget
     records.append(rec)
   if "engine" in tokens and "static" in tokens:  # greedy decoding: the same tokens expected
@@ -337,8 +305,7 @@ def main(argv) -> int:
   jax.config.update("jax_default_matmul_precision", "highest")
   records = bench_serve(_WORKDIR.value, _SYSTEMS.value, _REQUESTS.value,
                         (_MIN_PROMPT.value, _MAX_PROMPT.value), _OUTPUTS.value,
-                        _CACHE_TOKENS.value, _SLOTS.value, _PAGE.value, _SEED.value,
-                        _VLLM_PYTHON.value)
+                        _CACHE_TOKENS.value, _SLOTS.value, _PAGE.value, _SEED.value)
   for rec in records:
     common.emit(rec)
   by = {r["system"]: r for r in records}
@@ -351,10 +318,9 @@ def main(argv) -> int:
         by["engine"]["in_flight_mean"] / by["baseline"]["in_flight_mean"], 2)
     ratios["baseline_over_bov_bytes_per_position"] = round(
         by["baseline"]["cache_bytes_per_position"] / by["engine"]["cache_bytes_per_position"], 2)
-  for peer in ("hf", "vllm"):
-    if "engine" in by and peer in by:
-      ratios[f"engine_over_{peer}_tokens_per_s"] = round(
-          by["engine"]["tokens_per_s"] / by[peer]["tokens_per_s"], 2)
+  if "engine" in by and "hf" in by:
+    ratios["engine_over_hf_tokens_per_s"] = round(
+        by["engine"]["tokens_per_s"] / by["hf"]["tokens_per_s"], 2)
   common.emit(ratios)
   return 0
 
