@@ -38,6 +38,7 @@ from benchmarks import common
 from bov_jax import cli
 from bov_jax.data import sources
 from bov_jax.inference import generate as inference
+from bov_jax.interop import export
 from bov_jax.kernels import bank_decode
 from bov_jax.model import initialize
 from bov_jax.model import kvcache
@@ -283,7 +284,6 @@ def bench_serve(workdir: str, systems, n_requests: int, prompt_lengths, outputs:
       rec, tokens["static"] = run_static(graphdef, params, reqs, budget, context)
     elif system == "hf":
       if folder is None:
-        from bov_jax.interop import export
         folder = tempfile.mkdtemp(prefix="bov_serve_")
         export.export(workdir, folder, dtype="float32")
       rec = run_hf(folder, reqs, static_size, tok.bos_id)
