@@ -78,7 +78,11 @@ def request_set(spec, tok, n: int, lengths: tuple[int, int], outputs: str, seed:
   _, val = sources.documents(spec)
   out, docs = [], val.documents()
   while len(out) < n:
-    ids = tok.encode(next(docs))
+    text = next(docs, None)
+    if text is None:
+      raise ValueError(f"--requests={n}: the held-out split has {len(out)} documents of "
+                       f"--min_prompt={lengths[0]} tokens or more")
+    ids = tok.encode(text)
     want = int(rng.integers(lengths[0], lengths[1] + 1))
     if len(ids) < want:
       continue
@@ -88,14 +92,16 @@ def request_set(spec, tok, n: int, lengths: tuple[int, int], outputs: str, seed:
   return out
 
 
-def _summary(name: str, reqs, tokens, wall: float, ttft, in_flight: dict, per_pos: float,
+def _summary(name: str, reqs, tokens, wall: float, ttft, in_flight: dict, per_pos: float | None,
              extra=None) -> dict:
   ttft = np.asarray(ttft)
   rec = {"bench": "serve", "system": name, "requests": len(reqs), "output_tokens": tokens,
          "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
          "ttft_p50_s": round(float(np.percentile(ttft, 50)), 3),
          "ttft_p99_s": round(float(np.percentile(ttft, 99)), 3),
-         "cache_bytes_per_position": round(per_pos, 1), **in_flight}
+         # transformers' cache is no fixed budget: its bytes are not reported
+         "cache_bytes_per_position": None if per_pos is None else round(per_pos, 1),
+         **in_flight}
   return {**rec, **(extra or {})}
 
 
@@ -242,7 +248,7 @@ def run_hf(folder: str, reqs, batch_size: int, bos: int) -> dict:
     ttft += [streamer.at - t0] * len(batch)
   wall = time.perf_counter() - t0
   n_out = sum(r.max_tokens for r in reqs)
-  return _summary("hf", reqs, n_out, wall, ttft, {"in_flight_peak": batch_size}, float("nan"),
+  return _summary("hf", reqs, n_out, wall, ttft, {"in_flight_peak": batch_size}, None,
                   {"torch_threads": torch.get_num_threads()})
 
 
