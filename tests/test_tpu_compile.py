@@ -181,3 +181,25 @@ def test_the_memory_line_says_what_its_peak_counts():
   assert line.startswith("train_step: peak 3.00 GiB of 16.00 GiB HBM (19%) (the most live at "
                          "once) | allocated: arguments 2.00, outputs 1.00, temporaries 5.00")
   assert "(the parts summed" in aot.memory_line("eval_step", dict(m, peak_counts="sum"))
+
+
+def test_the_serving_engines_decode_step_compiles_for_a_chip_at_its_budget():
+  """benchmarks.serve_compile: the engine's decode step (its largest bucket) lowered for
+  one compile-only v5e chip; the budget search keeps the most whole sequences' pages
+  that fit the limit (one more sequence does not), and a bank layer's keys-only pages
+  make BoV's page smaller than the baseline's."""
+  from benchmarks import serve_compile
+
+  devices, _ = topology.devices("v5e-4")
+  bov = serve_compile.ChipEngine(_config(), devices[0], page_size=16)
+  base_cfg = _config()
+  base_cfg.model.value.preset = "gpt_base"
+  base = serve_compile.ChipEngine(base_cfg, devices[0], page_size=16)
+  assert bov.page_bytes < base.page_bytes
+  one = bov.figures(bov.max_pages)
+  assert one["slots"] == 1 and one["peak_bytes"] > bov.param_bytes
+  limit = one["peak_bytes"] + 6 * bov.max_pages * bov.page_bytes
+  best = serve_compile.budget(bov, limit, log=lambda _: None)
+  assert best["peak_bytes"] <= limit and best["slots"] == best["pages"] // bov.max_pages > 1
+  more = bov.figures(best["pages"] + bov.max_pages)
+  assert more["peak_bytes"] > limit

@@ -77,13 +77,15 @@ class Programs:
   """The model's parameters and paged cache on the device, and the programs over them."""
 
   def __init__(self, graphdef, params, slots: int, num_pages: int, page_size: int,
-               max_pages: int):
+               max_pages: int, cache: dict | None = None):
+    """`cache`: one of these shapes to start from (default: an empty one, allocated);
+    ShapeDtypeStructs with `params` as ShapeDtypeStructs, to lower the programs only."""
     self.graphdef, self.params = graphdef, params
     self.slots, self.page_size, self.max_pages = slots, page_size, max_pages
     model = nnx.merge(graphdef, params)
     self.sampler, self.vocab_size = model.spec.sampler, model.spec.vocab_size
-    self.cache = jax.jit(functools.partial(kvcache.init_paged, model, slots, num_pages,
-                                           page_size, max_pages))()
+    self.cache = cache if cache is not None else jax.jit(functools.partial(
+        kvcache.init_paged, model, slots, num_pages, page_size, max_pages))()
     self._prefill = jax.jit(self._prefill_fn, donate_argnums=1, static_argnames="pages")
     self._decode = jax.jit(self._decode_fn, donate_argnums=1, static_argnames="pages")
     self.row_buckets = _powers(min(8, slots), slots)
@@ -139,6 +141,17 @@ class Programs:
     out, self.cache = self._decode(self.params, self.cache, pages, tokens, active, *sampling,
                                    index, rows_A, pages=span)
     return np.asarray(out)
+
+  def lower_decode(self, rows: int, span: int):
+    """The decode step of one bucket (`rows` slots, `span` pages), lowered on the devices
+    of the cache: its compiled figures without running it (training/aot.py's way)."""
+    where = jax.tree.leaves(self.cache)[0].sharding
+    arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=where)  # noqa: E731
+    S, f32, i32 = self.slots, np.float32, np.int32
+    return self._decode.lower(
+        self.params, self.cache, arg((S, self.max_pages), i32), arg((S,), i32), arg((S,), bool),
+        arg((S,), f32), arg((S,), i32), arg((S,), f32), arg((S,), i32), arg((S,), i32),
+        arg((rows,), i32), pages=span)
 
   def warm(self, pages) -> None:
     """Compiles the decode step of every bucket (all rows inactive: nothing is written
