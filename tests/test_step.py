@@ -23,15 +23,15 @@ def _config(mesh_shape, shard=True):
   far above it, and any change of summation order shows them, one device's included."""
   c = small_config("gpt_base_v_from_value_emb_learn", vocab_size=128, n_layer=3)
   c.optim.polar_dtype, c.optim.weight_decay, c.optim.shard_optimizer = "float32", 0.0, shard
-  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh_shape
-  n = int(np.prod(mesh_shape))
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.slices = (*mesh_shape, 1)[:4]
+  n = int(np.prod(mesh_shape[:3]))
   c.train.batch_tokens, c.train.device_batch_size = 64 * ROWS * ACCUM, ROWS // n
   return c
 
 
 def _setup(mesh_shape, shard=True):
   spec = run_spec(_config(mesh_shape, shard))
-  mesh = sharding.make_mesh(spec.mesh, jax.devices()[:int(np.prod(mesh_shape))])
+  mesh = sharding.make_mesh(spec.mesh, jax.devices()[:int(np.prod(mesh_shape[:3]))])
   return mesh, step_lib.build(spec, mesh, num_iterations=10)
 
 
@@ -68,8 +68,9 @@ def one_device():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 4, 1)])
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 4, 1), (8, 1, 1, 2), (4, 2, 1, 2)])
 def test_split_step_trains_as_one_device(mesh_shape, one_device):
+  """(data, fsdp, tensor[, slices]): two slices stand in as two halves of the devices."""
   mesh, tr = _setup(mesh_shape)
   assert any(state_layout.data_dim(s.spec) >= 0 for s in jax.tree.leaves(tr.opt_shardings))
   losses, params, _ = _train(mesh, tr, *_start(tr), STEPS)
@@ -80,7 +81,9 @@ def test_split_step_trains_as_one_device(mesh_shape, one_device):
 @pytest.mark.slow
 @pytest.mark.parametrize("saved_on, restored_on", [((8, 1, 1), (1, 1, 1)),
                                                    ((2, 4, 1), (1, 8, 1)),
-                                                   ((1, 1, 1), (2, 4, 1))])
+                                                   ((1, 1, 1), (2, 4, 1)),
+                                                   ((8, 1, 1, 2), (1, 1, 1)),
+                                                   ((2, 1, 1), (4, 2, 1, 2))])
 def test_a_checkpoint_moves_between_layouts(tmp_path, saved_on, restored_on, one_device):
   """Three steps on one layout, saved; restored on another, two more steps: the five
   steps of one device."""

@@ -1,7 +1,10 @@
 """The device mesh and the one table that maps logical axis names to mesh axes.
 
-Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with parameters
-and optimizer state split), `tensor` (within-layer model parallel). Every
+Mesh axes: `slice` (data parallel across TPU slices, over the data-center network:
+`mesh.slices`), `data` (pure data parallel inside a slice), `fsdp` (data parallel with
+parameters and optimizer state split), `tensor` (within-layer model parallel). Only
+`slice` crosses slices (the outermost split of the devices, `make_mesh`); a step's one
+reduction of gradients is all that runs over it (training/step.py). Every
 parameter names its axes where the model makes it (`logical=`, model/gpt.py); RULES says
 where each goes. What runs over the mesh by hand (table lookups, per-shard sums) is in
 lookup.py and rowsum.py.
@@ -13,14 +16,16 @@ import math
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bov_jax.settings.config import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+MESH_AXES = ("slice", "data", "fsdp", "tensor")
+IN_SLICE = ("data", "fsdp", "tensor")  # the axes whose devices share a slice's fast links
+BATCH_AXES = ("slice", "data", "fsdp")
 
 # logical axis -> mesh axis (or axes), MaxText style.
 RULES = {
@@ -35,10 +40,11 @@ RULES = {
     "table_vocab": "tensor",
     "table_width": "fsdp",
     "batch": BATCH_AXES,  # activations' rows
-    # The optimizer's stack of same-shaped matrices (optim.muon): split over every
-    # axis, so each device orthogonalises whole matrices of its own (nanochat's
-    # distributed Muon; MaxText's sharding-aware Muon).
-    "stack": MESH_AXES,
+    # The optimizer's stack of same-shaped matrices (optim.muon): split over every axis
+    # of a slice, so each device orthogonalises whole matrices of its own (nanochat's
+    # distributed Muon; MaxText's sharding-aware Muon); every slice updates alike, so
+    # no parameter or update crosses slices.
+    "stack": IN_SLICE,
 }
 
 
@@ -70,12 +76,61 @@ def mesh_shape(mesh_cfg, n_devices: int | None = None) -> tuple[int, int, int]:
   return tuple(sizes)
 
 
+def mesh_sizes(mesh_cfg, n_devices: int | None = None) -> dict:
+  """{axis: size} over MESH_AXES: mesh_shape's data split into mesh.slices x data per
+  slice. Raises ConfigError where the slices do not divide the data axis (FSDP and
+  tensor groups stay whole inside a slice)."""
+  data, fsdp, tensor = mesh_shape(mesh_cfg, n_devices)
+  slices = mesh_cfg.slices
+  if not isinstance(slices, int) or slices < 1:
+    raise ConfigError(f"mesh.slices={slices!r}: expected a whole number of TPU slices >= 1")
+  if data % slices:
+    raise ConfigError(
+        f"mesh.slices={slices} must divide mesh.data={data} (the data replicas of all "
+        "slices): only data replicas span slices, FSDP and tensor groups stay inside one "
+        f"(their collectives run every layer); here fsdp={fsdp}, tensor={tensor}")
+  return dict(zip(MESH_AXES, (slices, data // slices, fsdp, tensor)))
+
+
+def slice_groups(devices, slices: int) -> list[list]:
+  """The devices of each slice: by `slice_index` on TPU; elsewhere by process (several
+  processes to a slice where there are more), or in order within one process (the
+  tests' stand-in for slices)."""
+  devices = list(devices)
+  if hasattr(devices[0], "slice_index"):
+    key = lambda d: d.slice_index  # noqa: E731
+  else:
+    procs = sorted({d.process_index for d in devices})
+    if len(procs) > 1:
+      if len(procs) % slices:
+        raise ConfigError(f"mesh.slices={slices} does not divide the run's {len(procs)} "
+                          "processes: a slice is a whole number of hosts")
+      key = lambda d: procs.index(d.process_index) * slices // len(procs)  # noqa: E731
+    else:
+      key = lambda d: devices.index(d) * slices // len(devices)  # noqa: E731
+  groups = {}
+  for d in devices:
+    groups.setdefault(key(d), []).append(d)
+  if len(groups) != slices or len({len(g) for g in groups.values()}) != 1:
+    raise ConfigError(f"mesh.slices={slices}, but the devices form {len(groups)} slices of "
+                      f"{sorted(len(g) for g in groups.values())} devices")
+  return [groups[k] for k in sorted(groups)]
+
+
 def make_mesh(mesh_cfg, devices=None) -> jax.sharding.Mesh:
   devices = jax.devices() if devices is None else devices
-  shape = mesh_shape(mesh_cfg, len(devices))
+  sizes = mesh_sizes(mesh_cfg, len(devices))
+  shape = tuple(sizes.values())
   # Auto axes: sharding propagates through plain gathers (Explicit axes would
   # demand an out_sharding on every lookup).
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+  types = (AxisType.Auto,) * len(MESH_AXES)
+  if sizes["slice"] == 1:
+    return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
+  # Each slice laid out over its own chips, the slices stacked outermost: the layout of
+  # mesh_utils.create_hybrid_device_mesh, which groups by TPU slice or by process only.
+  grid = np.concatenate([mesh_utils.create_device_mesh((1, *shape[1:]), group)
+                         for group in slice_groups(devices, sizes["slice"])], axis=0)
+  return jax.sharding.Mesh(grid, MESH_AXES, axis_types=types)
 
 
 def _manual(mesh) -> tuple:
@@ -102,7 +157,7 @@ def logical_to_spec(logical, shape, mesh) -> P:
   for name, dim in zip(logical or (), shape):
     axes = RULES.get(name)
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    axes = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
+    axes = tuple(a for a in axes if a not in used and mesh.shape.get(a, 1) > 1)
     size = math.prod(mesh.shape[a] for a in axes)
     if axes and dim % size == 0:
       spec.append(axes[0] if len(axes) == 1 else axes)
@@ -159,7 +214,7 @@ def axes_of(entry) -> tuple:
 def batch_axes(mesh, batch: int) -> tuple:
   """The mesh axes a batch of this many rows is split over: the batch axes of size > 1,
   or none when the batch does not divide (decoding one sequence)."""
-  axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1 and a not in _manual(mesh))
+  axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1 and a not in _manual(mesh))
   return axes if batch % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
 
@@ -176,7 +231,7 @@ def shards(logical: str) -> int:
   if mesh.empty:
     return 1
   axes = axes_of(RULES[logical])
-  return math.prod(mesh.shape[a] for a in axes if a not in _manual(mesh))
+  return math.prod(mesh.shape.get(a, 1) for a in axes if a not in _manual(mesh))
 
 
 def param_specs_of(shardings):

@@ -1,7 +1,8 @@
 """TPU slices by gcloud's accelerator types (v5p-64, v5e-16 or v5litepod-16, v6e-8,
-v4-32, ...): each generation's chips and the HBM the compiler gives a program, and a
-slice's compile-only devices (`jax.experimental.topologies`, with libtpu installed:
-`pip install '.[tpu]'`), which describe its chips without owning one.
+v4-32, ...; several slices of one type as 2xv5p-64): each generation's chips and the HBM
+the compiler gives a program, and the compile-only devices of one or more slices
+(`jax.experimental.topologies`, with libtpu installed: `pip install '.[tpu]'`), which
+describe the chips without owning one (each with its `slice_index`).
 """
 
 from __future__ import annotations
@@ -49,26 +50,49 @@ def known_topologies() -> list[str]:
           for n in chip.shapes]
 
 
+def split_slices(name: str) -> tuple[int, str]:
+  """(slices, one slice's type) of a name such as 2xv5p-64 (v5p-64: one slice)."""
+  count, x, one = name.partition("x")
+  if x and count.isdigit() and int(count) >= 1:
+    return int(count), one
+  return 1, name
+
+
+def with_slices(name: str, slices: int) -> str:
+  """The name of `slices` slices of `name`'s type (mesh.slices with --topology=v5p-64:
+  2xv5p-64); raises TopologyError where the name already says another count."""
+  named, one = split_slices(name)
+  if named > 1 and slices > 1 and named != slices:
+    raise TopologyError(f"--topology={name} is {named} slices, but mesh.slices={slices}")
+  n = max(named, slices)
+  return one if n == 1 else f"{n}x{one}"
+
+
 def parse_topology(name: str) -> tuple[Chip, int, str]:
-  """(chip, chips, topology dims) of a gcloud accelerator type such as v5p-64."""
+  """(chip, chips, topology dims) of one slice of a gcloud accelerator type such as
+  v5p-64 (or of each slice of 2xv5p-64)."""
+  name = split_slices(name)[1]
   family, _, count = name.partition("-")
   chip = CHIPS.get(ALIASES.get(family, family))
   n = int(count) // chip.cores_per_chip if chip and count.isdigit() else 0
   if chip is None or n not in chip.shapes or int(count) % chip.cores_per_chip:
     raise TopologyError(f"--topology={name!r} is not a known TPU slice; known: "
-                        + ", ".join(known_topologies()) + " (v5litepod-N = v5e-N)")
+                        + ", ".join(known_topologies()) + " (v5litepod-N = v5e-N; several "
+                        "slices: 2xv5p-64)")
   return chip, n, chip.shapes[n]
 
 
 @functools.lru_cache(maxsize=8)  # asked when the spec is resolved and when the mesh is made
 def devices(name: str):
-  """(the slice's compile-only devices, its chip) for a gcloud accelerator type."""
+  """(the compile-only devices of every slice, slice by slice, and the chip) for a gcloud
+  accelerator type, or several slices of one (2xv5p-64)."""
+  slices, _ = split_slices(name)
   chip, n, dims = parse_topology(name)
   try:
     from jax.experimental import topologies
     bounds = {"chips_per_host_bounds": (2, 2, 1)} if chip.shapes is _CUBE else {}
     desc = topologies.get_topology_desc(platform="tpu", topology_name=f"{chip.family}:{dims}",
-                                        chip_config_name=chip.chip_config, num_slices=1,
+                                        chip_config_name=chip.chip_config, num_slices=slices,
                                         **bounds)
   except Exception as e:  # noqa: BLE001 - no libtpu, or it refuses the topology
     raise TopologyError(f"cannot describe {name} for the TPU compiler ({type(e).__name__}: "

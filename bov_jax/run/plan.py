@@ -76,15 +76,15 @@ def num_iterations(spec, fpt: int | None = None) -> int:
 class _MeshSizes:
   """Just the axis sizes of a mesh: enough for the sharding rules, no devices needed."""
 
-  def __init__(self, sizes):
-    self.shape = dict(zip(sharding.MESH_AXES, sizes))
+  def __init__(self, sizes: dict):
+    self.shape = sizes
 
 
 def memory_per_device(spec, num_iterations: int = 100) -> dict:
   """Parameter and optimizer-state bytes one device holds under the configured mesh,
   from the real sharding rules applied to abstract shapes (nothing is allocated); the
   optimizer state split over data replicas too where optim.shard_optimizer says so."""
-  mesh = _MeshSizes(sharding.mesh_shape(spec.mesh, spec.n_devices))
+  mesh = _MeshSizes(sharding.mesh_sizes(spec.mesh, spec.n_devices))
   abstract = nnx.state(model_lib.abstract(spec.model))
   specs = sharding.param_specs(abstract, mesh)
   params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),

@@ -124,7 +124,7 @@ def check(cfg, n_devices: int, platform: str, device=None) -> None:
   naming the setting."""
   _check_model(cfg)
   m = cfg.model
-  sharding.mesh_shape(cfg.mesh, n_devices)
+  sharding.mesh_sizes(cfg.mesh, n_devices)
   plan.batch_layout(m.sequence_len, cfg.train.batch_tokens, cfg.train.device_batch_size,
                     n_devices, n_devices)
   if cfg.sample.tables_on_host:

@@ -156,6 +156,9 @@ def base_config() -> ml_collections.ConfigDict:
   ms.data = -1
   ms.fsdp = 1
   ms.tensor = 1
+  ms.slices = 1               # TPU slices the run spans (the data-center network between
+                              # them): mesh.data is split slices x (data / slices), FSDP and
+                              # tensor stay inside a slice (parallel/sharding.py)
   return c
 
 

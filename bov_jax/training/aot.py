@@ -40,10 +40,22 @@ GiB = topology_lib.GiB
 FIT = 0.9  # a program fits when its peak is at most this share of HBM
 
 
+def target(cfg, topology_name: str):
+  """(cfg for the target, the target's name): --topology=2xv5p-64 sets mesh.slices=2,
+  and --topology=v5p-64 with mesh.slices=2 names 2xv5p-64; TopologyError where the two
+  disagree."""
+  name = topology_lib.with_slices(topology_name, cfg.mesh.slices)
+  cfg = cfg.copy_and_resolve_references()
+  cfg.mesh.slices = topology_lib.split_slices(name)[0]
+  return cfg, name
+
+
 def spec_for(cfg, topology_name: str):
-  """The run spec of `cfg` for a TPU slice (gcloud's name, v5p-64): resolved for its
-  chips, the fused decode kernel decided by compiling it for one of them."""
-  devices, _ = topology_lib.devices(topology_name)
+  """The run spec of `cfg` for TPU slices (gcloud's name, v5p-64 or 2xv5p-64, with
+  mesh.slices): resolved for their chips, the fused decode kernel decided by compiling
+  it for one of them."""
+  cfg, name = target(cfg, topology_name)
+  devices, _ = topology_lib.devices(name)
   return spec_lib.resolve(cfg, backend="tpu", n_devices=len(devices), device=devices[0])
 
 
@@ -213,6 +225,7 @@ def run(spec, topology: str, programs=("train", "eval", "decode"), log=print,
   if unknown:
     raise ValueError(f"--programs: unknown {', '.join(unknown)}; expected a comma list "
                      f"of {', '.join(PROGRAMS)}")
+  topology = topology_lib.with_slices(topology, spec.mesh.slices)
   devs, chip = topology_lib.devices(topology)
   hbm, limit = chip.hbm_bytes, int(FIT * chip.hbm_bytes)
   mesh = sharding.make_mesh(spec.mesh, devs)

@@ -24,68 +24,77 @@ from bov_jax.parallel import state_layout
 from bov_jax.run.plan import BatchLayout
 from bov_jax.run.spec import RunSpec
 
+REPLICAS = ("slice", "data")  # the mesh axes whose devices hold whole copies of the model
+
 
 def make_train_step(graphdef, tx, update_specs=None):
   """step(params, opt_state, inputs [A, B, T], targets [A, B, T]) -> new state, metrics.
 
   Gradients are averaged over the A micro-batches with a lax.scan, so one compiled
   step reaches train.batch_tokens whatever fits in memory. Over data replicas
-  (mesh.data > 1, the mesh set when the step is traced) each replica accumulates its
-  own rows' gradients and the replicas' sums are reduced once, after the loop (MaxText's
-  utils/gradient_accumulation.py): into the shares of `update_specs` (a PartitionSpec
-  per parameter, `state_layout.update_specs`), where the optimizer then updates each
-  replica's share and the new parameters are gathered; without it, all-reduced whole.
+  (mesh.data > 1 or several slices, the mesh set when the step is traced) each replica
+  accumulates its own rows' gradients and the replicas' sums are reduced once, after the
+  loop (MaxText's utils/gradient_accumulation.py): inside each slice into the shares of
+  `update_specs` (a PartitionSpec per parameter, `state_layout.update_specs`), then each
+  share summed across slices, so only a chip's own share crosses the network between
+  slices; the optimizer then updates each replica's share (every slice alike) and the
+  new parameters are gathered inside the slice. Without `update_specs`, all-reduced whole.
   """
 
   def loss_fn(params, x, y, weight=None):
     loss = nnx.merge(graphdef, params).loss(x, y)
     return loss if weight is None else weight * loss
 
-  def accumulate(params, inputs, targets, weigh=None):
-    """(mean loss, mean gradients) over the micro-batches; `weigh(y)` scales a
-    micro-batch's loss (its share of the targets of all replicas)."""
+  def accumulate(params, inputs, targets, totals=None):
+    """(mean loss, mean gradients) over the micro-batches; `totals` [A]: each
+    micro-batch's targets over all replicas, whose share of them scales a replica's
+    loss (counted before the loop, so nothing inside it waits on another replica)."""
     grad_fn = jax.value_and_grad(loss_fn)
-    w = (lambda y: None) if weigh is None else weigh
+    weights = (None if totals is None else
+               jnp.sum(targets >= 0, axis=(1, 2)) / jnp.maximum(totals, 1))
 
-    def micro(acc, xy):
-      loss, grads = grad_fn(params, *xy, w(xy[1]))
+    def micro(acc, xyw):
+      loss, grads = grad_fn(params, *xyw)
       return jax.tree.map(jnp.add, acc, (loss, grads)), None
 
     n = inputs.shape[0]
     if n == 1:  # no accumulation loop to pay for
-      return grad_fn(params, inputs[0], targets[0], w(targets[0])), n
+      return grad_fn(params, inputs[0], targets[0], None if weights is None else weights[0]), n
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    return jax.lax.scan(micro, zeros, (inputs, targets))[0], n
+    if weights is None:
+      return jax.lax.scan(lambda acc, xy: micro(acc, (*xy, None)), zeros, (inputs, targets))[0], n
+    return jax.lax.scan(micro, zeros, (inputs, targets, weights))[0], n
 
   def data_parallel(params, inputs, targets, mesh):
-    """accumulate() inside a shard_map over `data`: each replica's gradients stay its
-    own through the loop, then one reduce-scatter (or all-reduce) over the replicas."""
+    """accumulate() inside a shard_map over the replicas (`slice` x `data`): each
+    replica's gradients stay its own through the loop, then one reduce-scatter (or
+    all-reduce) over the slice's replicas and one all-reduce of that share over slices."""
     specs = (jax.tree.map(lambda _: P(), params) if update_specs is None else update_specs)
     dims = jax.tree.map(state_layout.data_dim, specs, is_leaf=lambda x: isinstance(x, P))
 
     def reduce(g, dim):
-      if dim < 0:
-        return jax.lax.psum(g, "data")
-      return jax.lax.psum_scatter(g, "data", scatter_dimension=dim, tiled=True)
+      g = (jax.lax.psum(g, "data") if dim < 0 else
+           jax.lax.psum_scatter(g, "data", scatter_dimension=dim, tiled=True))
+      return jax.lax.psum(g, "slice")  # across slices: this chip's share only
 
     def local(params, inputs, targets):
       # a micro-batch's loss counts by its share of every replica's targets
-      weigh = lambda y: jnp.sum(y >= 0) / jnp.maximum(jax.lax.psum(jnp.sum(y >= 0), "data"), 1)
-      (loss, grads), n = accumulate(params, inputs, targets, weigh)
-      return jax.lax.psum(loss, "data") / n, jax.tree.map(lambda g, d: reduce(g, d) / n,
-                                                          grads, dims)
+      totals = jax.lax.psum(jnp.sum(targets >= 0, axis=(1, 2)), REPLICAS)
+      (loss, grads), n = accumulate(params, inputs, targets, totals)
+      return jax.lax.psum(loss, REPLICAS) / n, jax.tree.map(lambda g, d: reduce(g, d) / n,
+                                                            grads, dims)
 
     out_specs = jax.tree.map(lambda d: P() if d < 0 else P(*([None] * d), "data"), dims)
-    rows = P(None, "data")
+    rows = P(None, REPLICAS)
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), rows, rows),
-                         out_specs=(P(), out_specs), axis_names={"data"},
+                         out_specs=(P(), out_specs), axis_names=set(REPLICAS),
                          check_vma=False)(params, inputs, targets)
 
   update = make_update(tx)
 
   def step(params, opt_state, inputs, targets):
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.shape["data"] > 1:
+    if not mesh.empty and mesh.shape["data"] * mesh.shape["slice"] > 1:
       loss, grads = data_parallel(params, inputs, targets, mesh)
     else:
       (loss, grads), n = accumulate(params, inputs, targets)
