@@ -28,8 +28,12 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, tokenizer).")
 _MODE = flags.DEFINE_enum("mode", "train", MODES, "What to do.")
 _TOPOLOGY = flags.DEFINE_string(
-    "topology", None, "--mode=compile: the TPU slice, as gcloud's accelerator types "
-    "(v5p-64, v5e-16 or v5litepod-16, v6e-8, v4-32, ...).")
+    "topology", None, "--mode=compile (and --mode=plan, optional): the TPU slice, as "
+    "gcloud's accelerator types (v5p-64, v5e-16 or v5litepod-16, v6e-8, v4-32, ...); "
+    "several slices as 2xv5p-64 or with --config.mesh.slices=2.")
+_DCN_GBPS = flags.DEFINE_float(
+    "dcn_gbps", 25.0, "--mode=plan over several slices: the data-center network's "
+    "bandwidth a chip, Gbit/s (25: a v5e host's 2 x 100 Gbit/s over its 8 chips).")
 _PROGRAMS = flags.DEFINE_list(
     "programs", ["train", "eval", "decode"], "--mode=compile: which programs to compile.")
 _DISTRIBUTED = cli.Distributed()
@@ -64,7 +68,7 @@ def run_mode(mode: str, cfg, workdir: str | None) -> int:
   # full collection walks only what the run makes (docs/performance.md: the collector).
   gc.freeze()
   try:
-    return modes.run(mode, cfg, workdir, _TOPOLOGY.value, _PROGRAMS.value)
+    return modes.run(mode, cfg, workdir, _TOPOLOGY.value, _PROGRAMS.value, _DCN_GBPS.value)
   except (ValueError, OSError) as e:  # config, data, run-directory, bundle errors (2), or
     return cli.failed(e)              # a disk, bucket or device that failed (1)
   except modes.RUN_FAILED as e:

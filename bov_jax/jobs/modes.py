@@ -42,7 +42,7 @@ def _print_json(obj) -> None:
 
 
 def run(mode: str, cfg, workdir: str | None, topology: str | None = None,
-        programs=("train", "eval", "decode")) -> int:
+        programs=("train", "eval", "decode"), dcn_gbps: float = plan.DCN_GBPS) -> int:
   """`python -m bov_jax.main --mode=MODE`: the mode run on `cfg`; returns 0, 1 for a
   program that does not fit (compile), or train.PREEMPTED_EXIT for a run stopped by a
   preemption. Raises ValueError or OSError for bad input or a failed environment, one of
@@ -50,8 +50,8 @@ def run(mode: str, cfg, workdir: str | None, topology: str | None = None,
   command line reports as cli.run does)."""
   if mode == "compile":
     return compile_for(cfg, topology, programs)
-  if mode == "plan":  # for the devices the mesh settings name, not this host's
-    return print_plan(spec_lib.resolve(cfg))
+  if mode == "plan":  # for the devices the mesh settings or --topology name, not this host's
+    return print_plan(cfg, topology, dcn_gbps)
   spec = spec_lib.resolve(cfg, n_devices=jax.device_count())
   if mode != "train" and not workdir:
     raise ValueError(f"--mode={mode} needs --workdir=DIR holding a run's checkpoint")
@@ -61,9 +61,24 @@ def run(mode: str, cfg, workdir: str | None, topology: str | None = None,
   return evaluate_or_sample(mode, spec, cfg, workdir)
 
 
-def print_plan(spec) -> int:
-  """--mode=plan: parameters, FLOPs, the step budget and memory, computed instantly."""
-  _print_json(plan.make_plan(spec))
+def print_plan(cfg, topology: str | None = None, dcn_gbps: float = plan.DCN_GBPS) -> int:
+  """--mode=plan: parameters, FLOPs, the step budget and memory, computed instantly; for
+  --topology's chips where given (2xv5p-64, or v5p-64 with mesh.slices), with what
+  crosses slices at `dcn_gbps` against the step's compute at the chips' peak."""
+  peak = None
+  if topology:
+    try:
+      cfg, name = aot.target(cfg, topology)
+      chip, chips, _ = topology_lib.parse_topology(name)
+    except topology_lib.TopologyError as e:
+      raise ValueError(str(e)) from None
+    spec = spec_lib.resolve(cfg, backend="tpu", n_devices=chips * cfg.mesh.slices)
+    peak = chip.peak_flops
+  else:
+    spec = spec_lib.resolve(cfg)
+  if dcn_gbps <= 0:
+    raise ValueError(f"--dcn_gbps={dcn_gbps}: expected the network's Gbit/s a chip, > 0")
+  _print_json(plan.make_plan(spec, peak, dcn_gbps))
   return 0
 
 

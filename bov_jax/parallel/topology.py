@@ -27,6 +27,7 @@ class Chip:
   hbm_bytes: int         # per chip, as the compiler reports it (a little under the nominal)
   cores_per_chip: int    # what N in "<type>-N" counts per chip: TensorCores (2) or chips (1)
   shapes: dict           # chips -> topology dims
+  peak_flops: float      # bf16 FLOP/s per chip (Cloud TPU's system architecture pages)
 
 
 _CUBE = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
@@ -34,10 +35,10 @@ _CUBE = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x
 _PLANE = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
           256: "16x16"}
 CHIPS = {
-    "v4": Chip("v4", "megacore", int(30.75 * GiB), 2, _CUBE),
-    "v5p": Chip("v5p", "megacore", int(95.74 * GiB), 2, _CUBE),
-    "v5e": Chip("v5e", "default", int(15.75 * GiB), 1, _PLANE),
-    "v6e": Chip("v6e", "default", int(31.25 * GiB), 1, _PLANE)}
+    "v4": Chip("v4", "megacore", int(30.75 * GiB), 2, _CUBE, 275e12),
+    "v5p": Chip("v5p", "megacore", int(95.74 * GiB), 2, _CUBE, 459e12),
+    "v5e": Chip("v5e", "default", int(15.75 * GiB), 1, _PLANE, 197e12),
+    "v6e": Chip("v6e", "default", int(31.25 * GiB), 1, _PLANE, 918e12)}
 ALIASES = {"v5litepod": "v5e"}
 
 

@@ -80,21 +80,55 @@ class _MeshSizes:
     self.shape = sizes
 
 
-def memory_per_device(spec, num_iterations: int = 100) -> dict:
-  """Parameter and optimizer-state bytes one device holds under the configured mesh,
-  from the real sharding rules applied to abstract shapes (nothing is allocated); the
-  optimizer state split over data replicas too where optim.shard_optimizer says so."""
+def _layout(spec):
+  """(mesh sizes, abstract parameters, their specs, the specs the optimizer keeps them
+  in): the real sharding rules on abstract shapes, nothing allocated."""
   mesh = _MeshSizes(sharding.mesh_sizes(spec.mesh, spec.n_devices))
   abstract = nnx.state(model_lib.abstract(spec.model))
   specs = sharding.param_specs(abstract, mesh)
   params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
                         nnx.to_pure_dict(abstract))
   kept = state_layout.update_specs(specs, params, mesh) if spec.optim.shard_optimizer else specs
+  return mesh, params, specs, kept
+
+
+def memory_per_device(spec, num_iterations: int = 100) -> dict:
+  """Parameter and optimizer-state bytes one device holds under the configured mesh,
+  from the real sharding rules applied to abstract shapes (nothing is allocated); the
+  optimizer state split over data replicas too where optim.shard_optimizer says so."""
+  mesh, params, specs, kept = _layout(spec)
   opt, opt_specs = state_layout.optimizer_specs(optim.make(spec.optim, num_iterations),
                                             params, kept)
   return {"mesh": dict(mesh.shape),
           "param_bytes_per_device": state_layout.bytes_per_device(params, specs, mesh.shape),
           "optimizer_bytes_per_device": state_layout.bytes_per_device(opt, opt_specs, mesh.shape)}
+
+
+def gradient_share_bytes(spec) -> int:
+  """The bytes of one chip's share of a step's gradients once they are reduced inside its
+  slice (stored dtypes; the optimizer's share where optim.shard_optimizer splits it):
+  what the step all-reduces across slices, once (training/step.py)."""
+  mesh, params, _, kept = _layout(spec)
+  return state_layout.bytes_per_device(params, kept, mesh.shape)
+
+
+DCN_GBPS = 25.0  # a v5e host's data-center network, 2 x 100 Gbit/s, over its 8 chips
+
+
+def across_slices(spec, peak_flops: float | None = None, dcn_gbps: float = DCN_GBPS) -> dict:
+  """What a step sends between slices and how long that takes: each chip's gradient
+  share all-reduced across the slices (a ring sends 2 (s - 1) / s of it) at `dcn_gbps`
+  Gbit/s a chip, beside the step's compute at the chip's peak (the least it takes)."""
+  slices = sharding.mesh_sizes(spec.mesh, spec.n_devices)["slice"]
+  share = gradient_share_bytes(spec)
+  sent = 2 * (slices - 1) / slices * share
+  out = {"slices": slices, "gradient_share_bytes": share, "sent_bytes_per_chip": int(sent),
+         "dcn_gbps_per_chip": dcn_gbps, "dcn_seconds": sent * 8 / (dcn_gbps * 1e9)}
+  if peak_flops:
+    flops = flops_per_token(spec.model) * spec.train.batch_tokens / spec.n_devices
+    out["compute_seconds_at_peak"] = flops / peak_flops
+    out["dcn_vs_compute"] = round(out["dcn_seconds"] / out["compute_seconds_at_peak"], 4)
+  return out
 
 
 PRECISION_GROUPS = {"embed": "embedding", "table": "tables", "muon": "matrices",
@@ -139,8 +173,9 @@ def batch_layout(sequence_len: int, batch_tokens: int, device_batch_size: int, n
                      local_rows=per_device * n_local)
 
 
-def make_plan(spec) -> dict:
-  """--mode=plan's figures for the run spec (on its configured devices)."""
+def make_plan(spec, peak_flops: float | None = None, dcn_gbps: float = DCN_GBPS) -> dict:
+  """--mode=plan's figures for the run spec (on its configured devices); over several
+  slices, what crosses them (`across_slices`; `peak_flops`: a chip's, where known)."""
   m = spec.model
   mode = m.value
   counts = param_counts(m)
@@ -168,4 +203,6 @@ def make_plan(spec) -> dict:
       "param_dtypes": param_dtypes(m),
       "muon_update_dtype": spec.optim.update_dtype,
       **memory_per_device(spec, iters),
+      **({"across_slices": across_slices(spec, peak_flops, dcn_gbps)}
+         if spec.mesh.slices > 1 else {}),
   }
