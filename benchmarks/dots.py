@@ -63,7 +63,7 @@ class Dot(NamedTuple):
 _HLO_DEF = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\](?:\{([\d,]*)\})?")
 _HLO_DOT = re.compile(r"= (\w+)\[[\d,]*\]\S* dot\((?:\S+ )?%([\w.\-]+), (?:\S+ )?%([\w.\-]+)\)"
                       r"(.*)")
-_HLO_CALLS = re.compile(r"\b(calls|body|to_apply|condition|called_computations|"
+HLO_CALLS = re.compile(r"\b(calls|body|to_apply|condition|called_computations|"
                         r"branch_computations)=\{?(%[\w.\-]+(?:, %[\w.\-]+)*)\}?")
 
 
@@ -118,7 +118,7 @@ def hlo_runs(hlo_text: str) -> tuple[dict, collections.Counter]:
     for line in lines:
       trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
       trips = int(trip.group(1)) if trip else _counted_trips(line, comps)
-      for kind, names in _HLO_CALLS.findall(line):
+      for kind, names in HLO_CALLS.findall(line):
         for callee in (n.strip().lstrip("%") for n in names.split(",")):
           if callee in comps:
             times = trips if kind == "body" else 1

@@ -19,6 +19,14 @@ all-to-alls too). With the train step it compiles the update alone, as the step 
 (`step.build`'s `update_step`): `optimizer_flops_per_chip` (the compiler's cost
 analysis) against `model_flops_per_chip` (`plan.flops_per_token` x `train.batch_tokens`
 / chips). One record per run.
+
+Over several slices (2xv5p-64, or --set=mesh.slices=2) the TPU compiler compiles one
+slice's program: its collectives above stay inside the slice, and what crosses slices is
+a host transfer to the data-center network's runtime (a `send` carrying
+`_xla_megascale_transfer_type`). `across_slices` counts those per chip per step (each
+send's operand, by transfer type, loop trips applied) against the floor (each chip's
+gradient share all-reduced once: `plan.gradient_share_bytes`), and `in_loops`, the bytes
+of transfers inside any loop (the micro-batch loop's among them), which must be 0.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import numpy as np
 from absl import flags
 
 from benchmarks import common
+from benchmarks.dots import HLO_CALLS
 from benchmarks.dots import hlo_runs
 from bov_jax import cli
 from bov_jax.run import plan
@@ -89,6 +98,44 @@ def collectives(hlo_text: str) -> dict:
       out[_KINDS[kind]] += (_bytes(" ".join(f"{t}[{d}]" for t, d in shapes)) * scale
                             * runs[comp])
   return dict(out)
+
+
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+
+
+def loop_computations(comps: dict) -> set:
+  """The computations a while loop runs (its body, and what that calls, transitively)."""
+  inside = set()
+  todo = [n.strip().lstrip("%") for lines in comps.values() for line in lines
+          for kind, names in HLO_CALLS.findall(line) if kind == "body"
+          for n in names.split(",")]
+  while todo:
+    name = todo.pop()
+    if name in inside or name not in comps:
+      continue
+    inside.add(name)
+    todo += [n.strip().lstrip("%") for line in comps[name]
+             for _, names in HLO_CALLS.findall(line) for n in names.split(",")]
+  return inside
+
+
+def across_slices(hlo_text: str) -> dict:
+  """What one slice's compiled program sends to the other slices per chip per run:
+  {transfer type: bytes} (each send's operand, counted as often as the module runs it)
+  and `in_loops`, those bytes sent from inside a loop."""
+  comps, runs = hlo_runs(hlo_text)
+  loops = loop_computations(comps)
+  out, in_loops = collections.Counter(), 0
+  for comp, lines in comps.items():
+    for line in lines:
+      kind = _MEGASCALE.search(line)
+      if not kind or not re.search(r"= \(.*?\) send\(", line) or not runs[comp]:
+        continue
+      first = _SHAPE.search(line.split(" send(")[0])  # the tuple's first: the operand
+      n = _bytes(first.group(0)) * runs[comp]
+      out[kind.group(1).lower()] += n
+      in_loops += n if comp in loops else 0
+  return {"bytes": dict(out), "in_loops": in_loops}
 
 
 def group_size(line: str) -> int:
@@ -173,7 +220,7 @@ def run_one(name: str, topology: str) -> dict:
   programs = _PROGRAMS.value + (["update"] if "train" in _PROGRAMS.value else [])
   report = aot.run(spec, topology, programs, log=lambda *_: None,
                    on_compiled=lambda n, c: kept.__setitem__(n, c))
-  record = {"config": name, "topology": topology, "fits": report["fits"],
+  record = {"config": name, "topology": report["topology"], "fits": report["fits"],
             "mesh": report["mesh"], "hbm_gib": round(report["hbm_bytes_per_chip"] / aot.GiB, 2)}
   for prog, fig in report["programs"].items():
     if prog in ("prefill", "update_step"):  # the update's figure is its FLOPs, below
@@ -198,6 +245,14 @@ def run_one(name: str, topology: str) -> dict:
                                      / report["chips"])
     train["optimizer_share"] = round(train["optimizer_flops_per_chip"]
                                      / train["model_flops_per_chip"], 4)
+    if report["slices"] > 1:
+      cross = across_slices(kept["train_step"].as_text())
+      least = plan.gradient_share_bytes(spec)
+      cross.update(floor=least, vs_floor=round(sum(cross["bytes"].values()) / least, 3),
+                   **{k: v for k, v in plan.across_slices(spec, report["peak_flops"]).items()
+                      if k in ("dcn_gbps_per_chip", "dcn_seconds", "compute_seconds_at_peak",
+                               "dcn_vs_compute")})
+      train["across_slices"] = cross
   return record
 
 

@@ -77,6 +77,28 @@ def test_multiprocess_step_and_data_equal_one_process():
   assert set(want["groups"]) == a | b
 
 
+def test_two_slices_train_as_one_device(tmp_path):
+  """Two processes of two devices standing for two slices (mesh.slices=2), data or FSDP
+  inside each: five steps of two micro-batches give one device's losses and parameters
+  (tests/test_step.py's model and tolerances)."""
+  import numpy as np
+
+  from tests.mp_slices import LAYOUTS
+  port = free_port()
+  procs = [start("tests.mp_slices", 2, i, port, tmp_path, devices=2, stderr=subprocess.PIPE)
+           for i in range(2)]
+  one = command("tests.mp_slices", 1, 0, 0, tmp_path, devices=1, timeout=300)
+  codes, _, errs = _finish(procs)
+  assert codes == [0, 0] and one.returncode == 0, (errs[0][-2000:], one.stderr[-2000:])
+  want = np.load(tmp_path / "1x1x1.npz")
+  for shape in LAYOUTS:
+    got = np.load(tmp_path / ("x".join(map(str, shape)) + ".npz"))
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-6)
+    for k in want.files:
+      a, b = got[k].astype(np.float64), want[k].astype(np.float64)
+      assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b), (shape, k)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
   """A small corpus and one tokenizer for every run here (each would train the same one)."""
@@ -89,14 +111,20 @@ def tokenizer(tmp_path_factory):
   return [f"--config.data.tokenizer={d}/tok", f"--config.data.corpus={d}/corpus.jsonl"]
 
 
+@pytest.mark.parametrize("slices", [1, 2])
 def test_multiprocess_training_checkpoints_across_process_counts_and_preemption(tmp_path,
-                                                                               tokenizer):
+                                                                               tokenizer,
+                                                                               slices):
+  """Two processes (with slices=2, each a slice) train, resume one process's checkpoint
+  and are resumed by one process; a signal to one process (one slice) stops both at one
+  checkpoint."""
   two, one, pre = (str(tmp_path / n) for n in ("two", "one", "pre"))
   steps = ["--config.train.num_iterations=12", *tokenizer]
+  apart = [f"--config.mesh.slices={slices}"]  # the two-process runs' only difference
   # two processes train, as one command line each; only process 0 writes and prints. Side
   # by side (independent runs, each waits on its own), one process of four devices trains
   # the same.
-  started = _start([f"--workdir={two}", *TINY, *steps], 2, free_port())
+  started = _start([f"--workdir={two}", *TINY, *steps, *apart], 2, free_port())
   alone = _one_started([f"--workdir={one}", *TINY, *steps], one)
   codes, outs, errs = _finish(started)
   assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
@@ -115,14 +143,15 @@ def test_multiprocess_training_checkpoints_across_process_counts_and_preemption(
   # (side by side again)
   more = ["--config.train.num_iterations=14", *tokenizer]
   alone = _one_started([f"--workdir={two}", *TINY, *more], two)
-  codes, outs, errs = _finish(_start([f"--workdir={one}", *TINY, *more], 2, free_port()))
+  codes, outs, errs = _finish(_start([f"--workdir={one}", *TINY, *more, *apart], 2,
+                                     free_port()))
   assert codes == [0, 0] and "resumed from" in outs[0], errs[0][-3000:]
   assert _metrics(one)[-1]["step"] == 14
   code, out, err = _collect(alone, two)
   assert code == 0 and "resumed from" in out, err[-3000:]
   assert _metrics(two)[-1]["step"] == 14
   # SIGTERM to process 1 alone: both stop after the same step, one checkpoint, exit 75
-  procs = _start([f"--workdir={pre}", *TINY, *steps], 2, free_port())
+  procs = _start([f"--workdir={pre}", *TINY, *steps, *apart], 2, free_port())
   for line in procs[0].stdout:
     if line.startswith("step 2/"):
       procs[1].send_signal(signal.SIGTERM)
@@ -136,7 +165,8 @@ def test_multiprocess_training_checkpoints_across_process_counts_and_preemption(
   assert 2 < stopped <= 2 + 3  # within the step in flight and the next (read one step late)
   print(f"stopped at step {stopped}, {time.time() - t0:.1f} s after the signal")
   # the same command resumes, and the losses are the uninterrupted run's
-  codes, outs, errs = _finish(_start([f"--workdir={pre}", *TINY, *steps], 2, free_port()))
+  codes, outs, errs = _finish(_start([f"--workdir={pre}", *TINY, *steps, *apart], 2,
+                                     free_port()))
   assert codes == [0, 0] and f"checkpoints/{stopped}" in outs[0], errs[0][-3000:]
   want = {r["step"]: r for r in m2}
   for r in _metrics(pre):

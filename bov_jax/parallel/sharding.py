@@ -97,7 +97,7 @@ def slice_groups(devices, slices: int) -> list[list]:
   processes to a slice where there are more), or in order within one process (the
   tests' stand-in for slices)."""
   devices = list(devices)
-  if hasattr(devices[0], "slice_index"):
+  if devices[0].platform == "tpu":  # CPU devices of several processes say slice 0
     key = lambda d: d.slice_index  # noqa: E731
   else:
     procs = sorted({d.process_index for d in devices})

@@ -230,7 +230,8 @@ def run(spec, topology: str, programs=("train", "eval", "decode"), log=print,
   hbm, limit = chip.hbm_bytes, int(FIT * chip.hbm_bytes)
   mesh = sharding.make_mesh(spec.mesh, devs)
   m = spec.model
-  report = {"topology": topology, "chips": len(devs), "device_kind": devs[0].device_kind,
+  report = {"topology": topology, "chips": len(devs), "slices": spec.mesh.slices,
+            "peak_flops": chip.peak_flops, "device_kind": devs[0].device_kind,
             "hbm_bytes_per_chip": hbm, "mesh": dict(mesh.shape),
             "spec": {"attention": m.attention, "remat": m.remat, "scan": m.scan,
                      "stages": [list(dataclasses.astuple(s)) for s in m.stages],
