@@ -86,3 +86,33 @@ def test_a_paper_config_without_its_corpus_is_named(tmp_path):
   assert "python -m bov_jax.corpus download" in out.stderr
   p = _plan_cli("configs/bov_780m.py")
   assert p["eval_tokens"] == 80 * 524288
+
+
+def test_plan_over_two_slices_gives_what_crosses_them_against_the_compute():
+  """--mode=plan --topology=2xv5p-64: the mesh's slices, each chip's gradient share (the
+  optimizer's split of the parameters over a slice's 32 data chips) all-reduced across
+  the slices, its time at --dcn_gbps beside the step's compute at the v5p's peak; a
+  single slice has no such figures, and the same run named by mesh.slices is the same."""
+  two = _plan_cli("configs/bov_780m.py", "--topology=2xv5p-64", "--dcn_gbps=50")
+  assert two["mesh"] == {"slice": 2, "data": 32, "fsdp": 1, "tensor": 1}
+  x = two["across_slices"]
+  share = x["gradient_share_bytes"]
+  assert two["param_bytes_per_device"] / 32 <= share <= two["param_bytes_per_device"] / 31
+  assert x["sent_bytes_per_chip"] == share  # a ring of two: half out, half back in
+  assert x["dcn_seconds"] == pytest.approx(share * 8 / 50e9)
+  flops = two["flops_per_token"] * two["tokens_per_step"] / 64
+  assert x["compute_seconds_at_peak"] == pytest.approx(flops / 459e12)
+  same = _plan_cli("configs/bov_780m.py", "--topology=v5p-64", "--config.mesh.slices=2",
+                   "--dcn_gbps=50")
+  assert same["across_slices"] == x
+  assert "across_slices" not in _plan_cli("configs/bov_780m.py", "--topology=v5p-64")
+
+
+def test_plan_names_slices_that_cannot_split_the_run():
+  bad = command("main", "--config=configs/bov_780m.py", "--mode=plan", "--topology=2xv5p-64",
+                "--config.mesh.slices=4", timeout=300)
+  assert bad.returncode == 2 and "--topology=2xv5p-64 is 2 slices, but mesh.slices=4" in bad.stderr
+  fsdp = command("main", "--config=configs/bov_780m.py", "--mode=plan", "--topology=2xv5p-64",
+                 "--config.mesh.data=1", "--config.mesh.fsdp=-1", timeout=300)
+  assert fsdp.returncode == 2
+  assert "mesh.slices=2 must divide mesh.data=1" in fsdp.stderr and "fsdp=64" in fsdp.stderr

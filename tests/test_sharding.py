@@ -217,3 +217,21 @@ def test_path_keys_are_dict_keys_and_indices():
   tree = {"blocks": [{"w": 1}], "opt": State(mu={"lm_head": 2})}
   paths = [sharding.path_keys(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
   assert paths == [("blocks", 0, "w"), ("opt", "lm_head")]  # the field `mu` is left out
+
+
+def test_slices_split_the_data_axis_outermost():
+  """mesh.slices: the data axis split into slices x data a slice, each slice a block of
+  devices (in order within one process); FSDP or tensor across slices is refused."""
+  c = small_config()
+  c.mesh.data, c.mesh.fsdp, c.mesh.slices = 4, 2, 2
+  assert sharding.mesh_sizes(c.mesh, 8) == {"slice": 2, "data": 2, "fsdp": 2, "tensor": 1}
+  mesh = sharding.make_mesh(c.mesh)
+  ids = [[d.id for d in block.flat] for block in mesh.devices]
+  assert sorted(ids[0]) == [d.id for d in jax.devices()[:4]]
+  assert sorted(ids[1]) == [d.id for d in jax.devices()[4:]]
+  c.mesh.data, c.mesh.fsdp = 1, 8
+  with pytest.raises(ValueError, match="mesh.slices=2 must divide mesh.data=1.*fsdp=8"):
+    sharding.mesh_sizes(c.mesh, 8)
+  c.mesh.data, c.mesh.fsdp, c.mesh.slices = -1, 1, 0
+  with pytest.raises(ValueError, match="mesh.slices=0: expected"):
+    sharding.mesh_sizes(c.mesh, 8)

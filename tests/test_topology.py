@@ -24,3 +24,20 @@ def test_a_slice_has_its_compile_only_devices():
   assert len(devices) == 4 and devices[0].device_kind == "TPU v5 lite"
   assert chip.hbm_bytes == int(15.75 * topology.GiB)
   assert topology.devices("v5e-4") is topology.devices("v5e-4")  # described once
+
+
+def test_several_slices_are_named_by_a_count():
+  assert topology.split_slices("2xv5p-64") == (2, "v5p-64")
+  assert topology.split_slices("v5p-64") == (1, "v5p-64")
+  assert topology.with_slices("v5e-16", 4) == "4xv5e-16"
+  assert topology.with_slices("4xv5e-16", 1) == topology.with_slices("4xv5e-16", 4) == "4xv5e-16"
+  assert topology.parse_topology("2xv5p-64")[1] == 32  # chips of each slice
+  with pytest.raises(topology.TopologyError, match="is 2 slices, but mesh.slices=3"):
+    topology.with_slices("2xv5p-64", 3)
+
+
+@pytest.mark.skipif(not (sys.platform == "linux" and platform.machine() == "x86_64"),
+                    reason="libtpu's wheel exists for Linux x86-64 only (pip install '.[tpu]')")
+def test_two_slices_have_their_chips_slice_by_slice():
+  devices, _ = topology.devices("2xv5e-4")
+  assert [d.slice_index for d in devices] == [0] * 4 + [1] * 4
