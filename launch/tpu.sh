@@ -8,6 +8,13 @@
 #   bash launch/tpu.sh sweep --sweep=configs/sweeps/table2.py               # detached, in turn
 #   bash launch/tpu.sh logs | ssh [COMMAND] | delete
 #
+# SLICES=N (N > 1): N slices of ACCELERATOR_TYPE in one queued resource (multi-slice,
+# over the data-center network): created with --node-count, nodes TPU_NAME-0 ... -N-1;
+# setup and run reach every host of every slice, and each run gets
+# --config.mesh.slices=N (the compile check, too: it compiles for all N slices). JAX
+# finds the other slices itself (the MEGASCALE_* settings the queued resource gives each
+# host). `watch` re-creates the whole queued resource when any slice is preempted.
+#
 # `watch` follows a run until WORKDIR/DONE exists: when the queued resource is preempted
 # (or fails, or is gone) it deletes and re-creates it, waits for capacity, sets the new
 # workers up and starts the same command; when the run exits with code 75 (preempted,
@@ -23,6 +30,7 @@
 #   PROJECT, ZONE, TPU_NAME, ACCELERATOR_TYPE (e.g. v5p-64, v4-32)   required
 #   WORKDIR            run directory, a gs:// bucket path on pods  (run, watch, sweep)
 #   RUNTIME_VERSION    TPU VM image       (default: tpu-ubuntu2204-base)
+#   SLICES             slices of ACCELERATOR_TYPE                   (default: 1)
 #   PROVISIONING       spot | reserved | on-demand                  (default: spot)
 #   REMOTE_DIR         checkout location on the workers             (default: bov_jax)
 #   POLL_SECONDS       how often `watch` looks                      (default: 60)
@@ -32,13 +40,16 @@
 #   DRY_RUN=1          print every gcloud command instead of running it; `watch` then
 #                      takes what gcloud would have answered from DRY_RUN_STATES (queued
 #                      resource states, one per look), DRY_RUN_EXIT_CODES (the run's exit
-#                      code per look, "-" while it runs) and DRY_RUN_DONE (yes/no per look)
+#                      code per look, "-" while it runs), DRY_RUN_DONE (yes/no per look)
+#                      and, with SLICES > 1, DRY_RUN_NODE_STATES (the slices' node
+#                      states per look, comma-joined: READY,PREEMPTED)
 set -euo pipefail
 
 RUNTIME_VERSION="${RUNTIME_VERSION:-tpu-ubuntu2204-base}"
 PROVISIONING="${PROVISIONING:-spot}"
 REMOTE_DIR="${REMOTE_DIR:-bov_jax}"
 POLL_SECONDS="${POLL_SECONDS:-60}"
+SLICES="${SLICES:-1}"
 PREEMPTED_EXIT=75  # bov_jax.train.PREEMPTED_EXIT
 DONE_FILE=DONE     # bov_jax.rundir.DONE: the file a finished run leaves in its WORKDIR
 PY="${PYTHON:-python3}"
@@ -91,6 +102,22 @@ query() {  # query SIMULATION_VARIABLE COMMAND...
   fi
 }
 
+[[ "$SLICES" =~ ^[1-9][0-9]*$ ]] || die "SLICES=$SLICES: expected a whole number of slices >= 1"
+
+nodes() {  # the queued resource's TPU VMs: one, or one a slice (gcloud's --node-prefix)
+  if [ "$SLICES" = 1 ]; then
+    echo "$TPU_NAME"
+  else
+    local i
+    for ((i = 0; i < SLICES; i++)); do echo "$TPU_NAME-$i"; done
+  fi
+}
+
+first_node() { nodes | head -n 1; }
+
+SLICE_ARGS=()  # the setting every command of a multi-slice run carries
+[ "$SLICES" = 1 ] || SLICE_ARGS=("--config.mesh.slices=$SLICES")
+
 quote_args() {
   local out="" a
   for a in "$@"; do out+=" $(printf '%q' "$a")"; done
@@ -119,15 +146,23 @@ compile_check() {
   esac
 }
 
-tpu_ssh() {  # tpu_ssh WORKER COMMAND
-  run_cmd gcloud compute tpus tpu-vm ssh "$TPU_NAME" --project="$PROJECT" --zone="$ZONE" \
-    --worker="$1" --command="$2"
+tpu_ssh() {  # tpu_ssh WORKER COMMAND: WORKER all is every host of every slice
+  local node
+  if [ "$1" = all ]; then
+    for node in $(nodes); do
+      run_cmd gcloud compute tpus tpu-vm ssh "$node" --project="$PROJECT" --zone="$ZONE" \
+        --worker=all --command="$2"
+    done
+  else
+    run_cmd gcloud compute tpus tpu-vm ssh "$(first_node)" --project="$PROJECT" \
+      --zone="$ZONE" --worker="$1" --command="$2"
+  fi
 }
 
 cmd_create() {
   need PROJECT ZONE TPU_NAME ACCELERATOR_TYPE
   if [ $# -gt 0 ]; then
-    compile_check "$@"
+    compile_check "$@" "${SLICE_ARGS[@]}"
   fi
   local mode=()
   case "$PROVISIONING" in
@@ -136,8 +171,10 @@ cmd_create() {
     on-demand) mode=();;
     *) die "PROVISIONING=$PROVISIONING: expected spot, reserved or on-demand";;
   esac
+  local node=(--node-id="$TPU_NAME")
+  [ "$SLICES" = 1 ] || node=(--node-count="$SLICES" --node-prefix="$TPU_NAME")
   run_cmd gcloud compute tpus queued-resources create "${TPU_NAME}-qr" \
-    --project="$PROJECT" --zone="$ZONE" --node-id="$TPU_NAME" \
+    --project="$PROJECT" --zone="$ZONE" "${node[@]}" \
     --accelerator-type="$ACCELERATOR_TYPE" --runtime-version="$RUNTIME_VERSION" "${mode[@]}"
 }
 
@@ -149,8 +186,11 @@ cmd_setup() {
   tarball="$tmp/bov_jax_code.tgz"
   tar -czf "$tarball" -C "$HERE" --exclude=./.venv --exclude=./runs --exclude=./.git \
     --exclude='__pycache__' --exclude='*.egg-info' --exclude=./.pytest_cache .
-  run_cmd gcloud compute tpus tpu-vm scp "$tarball" "$TPU_NAME:~/bov_jax_code.tgz" \
-    --project="$PROJECT" --zone="$ZONE" --worker=all
+  local node
+  for node in $(nodes); do
+    run_cmd gcloud compute tpus tpu-vm scp "$tarball" "$node:~/bov_jax_code.tgz" \
+      --project="$PROJECT" --zone="$ZONE" --worker=all
+  done
   rm -rf "$tmp"
   # The runtime set and TPU jax only (not the test tools), in a virtualenv of Python 3.12
   # (JAX 0.11 and newer need it; the TPU images' own Python is older): uv brings both.
@@ -166,6 +206,9 @@ main_command() {  # the training command line every worker runs
 cmd_run() {
   need PROJECT ZONE TPU_NAME WORKDIR
   [ $# -gt 0 ] || die "run needs --config=FILE (and optional --config.* overrides)"
+  if [ "${SLICED:-0}" != "1" ]; then
+    set -- "$@" "${SLICE_ARGS[@]}"
+  fi
   if [ "${CHECKED:-0}" != "1" ]; then
     need ACCELERATOR_TYPE
     compile_check "$@"
@@ -180,8 +223,14 @@ qr_state() {  # sets ANSWER: the queued resource's state (empty if there is none
     --project="$PROJECT" --zone="$ZONE" --format='value(state.state)'
 }
 
+node_states() {  # sets ANSWER: the slices' TPU VM states, comma-joined (SLICES > 1)
+  query DRY_RUN_NODE_STATES gcloud compute tpus tpu-vm list --project="$PROJECT" \
+    --zone="$ZONE" --filter="name~^${TPU_NAME}-[0-9]+\$" --format='value(state)'
+  ANSWER="$(printf '%s' "$ANSWER" | tr '\n' ',')"
+}
+
 run_exit_code() {  # sets ANSWER: worker 0's exit code of the run, empty while it runs
-  query DRY_RUN_EXIT_CODES gcloud compute tpus tpu-vm ssh "$TPU_NAME" --project="$PROJECT" \
+  query DRY_RUN_EXIT_CODES gcloud compute tpus tpu-vm ssh "$(first_node)" --project="$PROJECT" \
     --zone="$ZONE" --worker=0 --command="cat ~/bov_jax_exit_code 2>/dev/null"
 }
 
@@ -193,8 +242,10 @@ workdir_done() {  # sets ANSWER to yes when WORKDIR/$DONE_FILE exists
 cmd_watch() {
   need PROJECT ZONE TPU_NAME ACCELERATOR_TYPE WORKDIR
   [ $# -gt 0 ] || die "watch needs --config=FILE (and optional --config.* overrides)"
+  set -- "$@" "${SLICE_ARGS[@]}"
   compile_check "$@"
   CHECKED=1  # the runs watch starts are this one
+  SLICED=1   # and carry the slices already
   local fresh=0  # workers that still need the code and a run
   while true; do
     workdir_done
@@ -203,6 +254,10 @@ cmd_watch() {
       return 0
     fi
     qr_state
+    if [ "$ANSWER" = ACTIVE ] && [ "$SLICES" != 1 ]; then
+      node_states  # one slice preempted: the whole run stops, so the whole resource goes
+      case ",$ANSWER," in *,PREEMPTED,*|*,TERMINATED,*) ANSWER=PREEMPTED;; *) ANSWER=ACTIVE;; esac
+    fi
     case "$ANSWER" in
       ACTIVE)
         if [ "$fresh" = 1 ]; then
@@ -235,6 +290,7 @@ cmd_watch() {
 cmd_sweep() {
   need PROJECT ZONE TPU_NAME WORKDIR
   [ $# -gt 0 ] || die "sweep needs --sweep=FILE"
+  [ "$SLICES" = 1 ] || die "sweep runs on one slice (SLICES=$SLICES): use run or watch per point"
   local points
   points="$(cd "$HERE" && "$PY" -m bov_jax.sweep "$@" --print --workdir_root="$WORKDIR")" ||
     die "the sweep file does not load ($PY -m bov_jax.sweep $* --print)"
@@ -264,7 +320,7 @@ cmd_ssh() {
   if [ $# -gt 0 ]; then
     tpu_ssh "${WORKER:-0}" "$*"
   else
-    run_cmd gcloud compute tpus tpu-vm ssh "$TPU_NAME" --project="$PROJECT" --zone="$ZONE" \
+    run_cmd gcloud compute tpus tpu-vm ssh "$(first_node)" --project="$PROJECT" --zone="$ZONE" \
       --worker="${WORKER:-0}"
   fi
 }
@@ -276,7 +332,7 @@ cmd_delete() {
 }
 
 usage() {
-  sed -n '2,35p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,45p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
 sub="${1:-}"

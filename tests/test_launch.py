@@ -142,3 +142,41 @@ def test_without_a_tpu_compiler_the_check_says_so_and_goes_on():
   assert out.returncode == 0, out.stderr
   assert "no TPU compiler on this host" in out.stderr
   assert any("bov_jax.main" in c for c in _commands(out))
+
+
+def test_two_slices_are_one_queued_resource_and_every_host_of_each_runs_the_command():
+  """SLICES=2: one queued resource of two nodes (--node-count), the code copied to and
+  the same command (with --config.mesh.slices=2) started on every host of both."""
+  create = _commands(_tpu("create", SLICES="2"))
+  assert len(create) == 1 and "--node-count=2 --node-prefix=bov-pod" in create[0]
+  assert "--node-id" not in create[0]
+  setup = _commands(_tpu("setup", SLICES="2"))
+  for node in ("bov-pod-0", "bov-pod-1"):
+    assert sum("scp " in c and f"{node}:" in c for c in setup) == 1
+    assert sum(f"ssh {node} " in c and "--worker=all" in c for c in setup) == 1
+  run = _commands(_tpu("run", "--config=configs/bov_780m.py", SLICES="2"))
+  assert [c.split()[5] for c in run] == ["bov-pod-0", "bov-pod-1"]
+  assert len({c.replace("bov-pod-1", "bov-pod-0") for c in run}) == 1  # the same command
+  assert all("--config.mesh.slices=2" in c and "--worker=all" in c for c in run)
+  bad = _tpu("create", SLICES="two")
+  assert bad.returncode == 2 and "SLICES=two" in bad.stderr
+
+
+def test_watch_recreates_all_slices_when_one_is_preempted():
+  """The queued resource stays ACTIVE while one slice's VM is preempted: watch deletes
+  and re-creates the whole resource, sets both slices up and starts the same command,
+  which resumes from the last checkpoint."""
+  out = _tpu("watch", "--config=configs/bov_780m.py", SLICES="2",
+             DRY_RUN_STATES="ACTIVE ACTIVE ACTIVE ACTIVE",
+             DRY_RUN_NODE_STATES="READY,READY READY,PREEMPTED READY,READY READY,READY",
+             DRY_RUN_EXIT_CODES="- - - -", DRY_RUN_DONE="no no no no yes")
+  assert out.returncode == 0, out.stderr
+  cmds = _commands(out)
+  deletes = [i for i, c in enumerate(cmds) if "queued-resources delete" in c]
+  creates = [i for i, c in enumerate(cmds) if "queued-resources create" in c]
+  runs = [c for c in cmds if "bov_jax.main" in c]
+  assert len(deletes) == len(creates) == 1 and deletes[0] < creates[0]
+  assert "--node-count=2" in cmds[creates[0]]
+  assert len(runs) == 2 and all("--config.mesh.slices=2" in c for c in runs)
+  assert runs[0].count("--config.mesh.slices=2") == 1
+  assert "re-creating it" in out.stderr
