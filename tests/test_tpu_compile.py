@@ -172,6 +172,11 @@ def test_bad_topology_and_programs_exit_2():
   assert out.returncode == 2 and "--programs" in out.stderr and "serve" in out.stderr
   out = _main("--config=configs/tiny.py")
   assert out.returncode == 2 and "--topology" in out.stderr
+  out = _main("--config=configs/tiny.py", "--topology=2xv5e-4", "--config.mesh.data=1",
+              "--config.mesh.fsdp=-1")  # FSDP across the two slices
+  assert out.returncode == 2 and "mesh.slices=2 must divide mesh.data=1" in out.stderr
+  out = _main("--config=configs/tiny.py", "--topology=2xv5e-4", "--config.mesh.slices=4")
+  assert out.returncode == 2 and "is 2 slices, but mesh.slices=4" in out.stderr
 
 
 def test_the_memory_line_says_what_its_peak_counts():
