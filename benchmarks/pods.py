@@ -24,9 +24,12 @@ Over several slices (2xv5p-64, or --set=mesh.slices=2) the TPU compiler compiles
 slice's program: its collectives above stay inside the slice, and what crosses slices is
 a host transfer to the data-center network's runtime (a `send` carrying
 `_xla_megascale_transfer_type`). `across_slices` counts those per chip per step (each
-send's operand, by transfer type, loop trips applied) against the floor (each chip's
-gradient share all-reduced once: `plan.gradient_share_bytes`), and `in_loops`, the bytes
-of transfers inside any loop (the micro-batch loop's among them), which must be 0.
+send's operand, by transfer type, loop trips applied), the bytes a chip sends for them
+on a ring of S slices (an all-reduce 2 (S-1)/S of its operand, a reduce-scatter or
+all-to-all (S-1)/S, an all-gather S-1 times its piece, a one-to-one its operand), the
+floor (each chip's gradient share all-reduced once: `plan.gradient_share_bytes`, sent
+as an all-reduce sends it), and `in_loops`, the bytes of transfers inside any loop (the
+micro-batch loop's among them), which must be 0.
 """
 
 from __future__ import annotations
@@ -119,10 +122,17 @@ def loop_computations(comps: dict) -> set:
   return inside
 
 
-def across_slices(hlo_text: str) -> dict:
+# The bytes a chip sends on a ring of s slices for a transfer of each type, per operand byte.
+_SENT = {"all_reduce": lambda s: 2 * (s - 1) / s, "reduce_scatter": lambda s: (s - 1) / s,
+         "all_to_all": lambda s: (s - 1) / s, "all_gather": lambda s: s - 1,
+         "one_to_one": lambda s: 1}
+
+
+def across_slices(hlo_text: str, slices: int) -> dict:
   """What one slice's compiled program sends to the other slices per chip per run:
-  {transfer type: bytes} (each send's operand, counted as often as the module runs it)
-  and `in_loops`, those bytes sent from inside a loop."""
+  {transfer type: bytes} (each send's operand, counted as often as the module runs it),
+  `sent` (the bytes a chip sends for them, `_SENT`) and `in_loops`, the operand bytes
+  sent from inside a loop."""
   comps, runs = hlo_runs(hlo_text)
   loops = loop_computations(comps)
   out, in_loops = collections.Counter(), 0
@@ -135,7 +145,8 @@ def across_slices(hlo_text: str) -> dict:
       n = _bytes(first.group(0)) * runs[comp]
       out[kind.group(1).lower()] += n
       in_loops += n if comp in loops else 0
-  return {"bytes": dict(out), "in_loops": in_loops}
+  sent = sum(n * _SENT[kind](slices) for kind, n in out.items())
+  return {"bytes": dict(out), "sent": int(sent), "in_loops": in_loops}
 
 
 def group_size(line: str) -> int:
@@ -246,9 +257,9 @@ def run_one(name: str, topology: str) -> dict:
     train["optimizer_share"] = round(train["optimizer_flops_per_chip"]
                                      / train["model_flops_per_chip"], 4)
     if report["slices"] > 1:
-      cross = across_slices(kept["train_step"].as_text())
-      least = plan.gradient_share_bytes(spec)
-      cross.update(floor=least, vs_floor=round(sum(cross["bytes"].values()) / least, 3),
+      cross = across_slices(kept["train_step"].as_text(), report["slices"])
+      least = plan.across_slices(spec)["sent_bytes_per_chip"]
+      cross.update(floor=least, vs_floor=round(cross["sent"] / least, 3),
                    **{k: v for k, v in plan.across_slices(spec, report["peak_flops"]).items()
                       if k in ("dcn_gbps_per_chip", "dcn_seconds", "compute_seconds_at_peak",
                                "dcn_vs_compute")})

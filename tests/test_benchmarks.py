@@ -279,6 +279,42 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   assert pods.collectives(hlo) == {"all_reduce": 4 * 8 * 4, "all_gather": 2 * 8 * 2}
 
 
+def test_what_crosses_slices_is_counted_by_its_host_transfers_and_their_loops():
+  """One slice's program sends to the others through host transfers to the network
+  runtime: each send's operand by type, the bytes a ring of two sends for it, and any
+  sent from inside a loop (here a 3-trip loop's: 3 x 16 bytes)."""
+  from benchmarks import pods
+  send = ('{kind} = (f32[{n}]{{0}}, u32[]{{:S(2)}}, token[]) send(%x, %t), channel_id=9, '
+          'is_host_transfer=true, frontend_attributes={{_xla_megascale_target="{{1,2}}x{{0:3}}",'
+          '_xla_megascale_transfer_type="{t}"}}')
+  hlo = f"""HloModule m
+
+%cond (p: (s32[], f32[4])) -> pred[] {{
+  %p = (s32[], f32[4]) parameter(0)
+  %c = s32[] constant(3)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}}
+
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {{
+  %p = (s32[], f32[4]) parameter(0)
+  {send.format(kind="%s1", n=4, t="ALL_REDUCE")}
+  ROOT %t = (s32[], f32[4]) tuple(%i, %x)
+}}
+
+ENTRY %main (a: f32[8]) -> f32[8] {{
+  %a = f32[8] parameter(0)
+  {send.format(kind="%s2", n=100, t="ALL_REDUCE")}
+  {send.format(kind="%s3", n=10, t="ALL_GATHER")}
+  %w = (s32[], f32[4]) while(%init), condition=%cond, body=%body
+  ROOT %o = f32[8] get-tuple-element(%w), index=1
+}}
+"""
+  got = pods.across_slices(hlo, slices=2)
+  assert got["bytes"] == {"all_reduce": 400 + 3 * 16, "all_gather": 40}
+  assert got["in_loops"] == 3 * 16 and got["sent"] == 448 + 40
+
+
 def test_collectives_count_a_chained_collective_once_and_a_reduce_scatter_by_its_operand():
   """The TPU compiler runs a large all-gather in steps fused with other work, each
   carrying the whole result and the same channel and chain: one collective. A

@@ -228,9 +228,10 @@ def test_over_two_slices_only_the_gradient_reduction_crosses_them():
   assert layout.accum == 2
   _, compiled = aot.compile_lowered(lowered["train_step"])
   text = compiled.as_text()
-  cross = pods.across_slices(text)
+  cross = pods.across_slices(text, slices=2)
   assert set(cross["bytes"]) == {"all_reduce"} and cross["in_loops"] == 0
   share = plan.gradient_share_bytes(spec)
   assert share <= cross["bytes"]["all_reduce"] <= 1.1 * share
+  assert cross["sent"] == int(cross["bytes"]["all_reduce"])  # a ring of two sends it once
   groups = re.findall(r"replica_groups=\{\{([\d,]+)\}", text)
   assert groups and all(max(map(int, g.split(","))) < 4 for g in groups)
