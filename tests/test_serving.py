@@ -71,9 +71,9 @@ def _sample_tokens(workdir, ids, n):
 @pytest.mark.parametrize("budget_pages", [None, 9])
 def test_greedy_tokens_do_not_depend_on_what_else_is_in_flight(tiny_run, budget_pages):
   """Six prompts of different lengths decoded together in four slots (float32), equal
-  to --mode=sample's tokens for each alone. With a budget of 8 pages (9 with the one no
-  sequence holds) the sequences outgrow the cache and the newest are sent back to the
-  queue and prefilled again: the same tokens."""
+  to --mode=sample's tokens for each alone; the first four are prefilled in one call.
+  With a budget of 8 pages (9 with the one no sequence holds) the sequences outgrow the
+  cache and the newest are sent back to the queue and prefilled again: the same tokens."""
   engine, _ = load.engine(tiny_run, slots=4, page_size=16, cache_bytes=None, max_queue=16)
   if budget_pages:
     engine, _ = load.engine(tiny_run, slots=4, page_size=16, max_queue=16,
@@ -88,6 +88,8 @@ def test_greedy_tokens_do_not_depend_on_what_else_is_in_flight(tiny_run, budget_
     engine.stop()
   if budget_pages:
     assert engine.counts["preemptions"] > 0
+  else:  # four prompts of one padded length together, then the two that waited
+    assert engine.counts["prefill_calls"] < len(PROMPTS)
   for prompt, n, (tokens, reason) in zip(ids, lengths, got):
     want = _sample_tokens(tiny_run, prompt, n)
     bos = engine.tok.bos_id

@@ -52,20 +52,21 @@ def prefill(model, prompts_BP, lengths_B, context: int):
   `context` positions. Returns (each sequence's last logits [B, V], the cache rewound
   to each sequence's real length)."""
   B, P = prompts_BP.shape
-  logits, cache = model(prompts_BP, kvcache.init(model, B, context))
+  h_BPD, cache = model.hidden(prompts_BP, kvcache.init(model, B, context))
   # the cache holds the padding too: rewind each sequence to its real length
   lengths_B = lengths_B.astype(jnp.int32)
   cache["pos"] = lengths_B
   pre = model_lib.rmsnorm(model.wte[...].astype(model.compute_dtype)[prompts_BP])
   cache["prev"] = jnp.take_along_axis(pre, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-  return jnp.take_along_axis(logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0], cache
+  last_BD = jnp.take_along_axis(h_BPD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  return model.logits(last_BD), cache  # the head at each prompt's end only
 
 
 def extend(model, ids_BC, cache):
   """C more tokens of every sequence into the cache at its positions (a chunk of a
   prefill): (the last one's logits [B, V], cache)."""
-  logits, cache = model(ids_BC, cache)
-  return logits[:, -1], cache
+  h_BCD, cache = model.hidden(ids_BC, cache)
+  return model.logits(h_BCD[:, -1]), cache
 
 
 def decode_step(model, last_BV, cache, key, temperature: float = 0.0, top_k: int = 0):

@@ -170,7 +170,8 @@ class Engine:
   def warm(self) -> None:
     table = self.pool.table  # all page 0: the writes land on the page no sequence holds
     for length in self.prefill_lengths:
-      self.programs.prefill(0, [0], length, table, self.sampling.row(0), 0)
+      for rows in self.programs.prefill_rows:
+        self.programs.prefill([(0, [0], 0)] * rows, length, table, self.sampling.all())
     self.programs.warm(table)
 
   # -- the engine's thread -------------------------------------------------------------
@@ -184,8 +185,7 @@ class Engine:
           break
         self._drop_cancelled()
         admitted = self._admit()
-      for slot, request in admitted:
-        self._prefill(slot, request)
+      self._prefill(admitted)
       if any(self.slots):
         self._step()
     for slot, request in enumerate(self.slots):  # stopped: whatever is left ends here
@@ -215,13 +215,24 @@ class Engine:
       out.append((slot, request))
     return out
 
-  def _prefill(self, slot: int, request: Request) -> None:
-    ids = request.prompt + request.generated  # a preempted request resumes from here
-    padded = next(n for n in self.prefill_lengths if n >= len(ids))
-    self.sampling.set(slot, request.temperature, request.top_k, request.top_p, request.seed)
-    token = self.programs.prefill(slot, ids, padded, self.pool.table,
-                                  self.sampling.row(slot), len(request.generated))
-    self._emit(slot, request, token)
+  def _prefill(self, admitted: list[tuple[int, Request]]) -> None:
+    """The admitted requests' prompts into their slots, those of one padded length
+    together (up to the programs' largest prefill), and each one's first token."""
+    by_length = collections.defaultdict(list)
+    for slot, request in admitted:
+      ids = request.prompt + request.generated  # a preempted request resumes from here
+      self.sampling.set(slot, request.temperature, request.top_k, request.top_p, request.seed)
+      padded = next(n for n in self.prefill_lengths if n >= len(ids))
+      by_length[padded].append((slot, request, ids))
+    most = self.programs.prefill_rows[-1]
+    for padded, group in by_length.items():
+      for at in range(0, len(group), most):
+        part = group[at:at + most]
+        tokens = self.programs.prefill([(slot, ids, len(r.generated)) for slot, r, ids in part],
+                                       padded, self.pool.table, self.sampling.all())
+        self.counts["prefill_calls"] += 1
+        for (slot, request, _), token in zip(part, tokens):
+          self._emit(slot, request, token)
 
   def _step(self) -> None:
     """Pages for every active slot's next position (the newest gives its own back where

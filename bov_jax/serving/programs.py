@@ -1,7 +1,8 @@
 """The engine's two device programs over the paged cache, of fixed shapes so nothing
-compiles while serving: a prompt prefilled into one slot (one program per padded prompt
-length), and one decode step of the active slots. Each chooses its next token on the
-device with the slot's own sampling settings.
+compiles while serving: prompts prefilled into their slots (a program per padded prompt
+length and per number of prompts, 1, 2, 4 or 8: a prefill call costs about the same for
+one prompt as for several), and one decode step of the active slots. Each chooses its
+next token on the device with the slot's own sampling settings.
 
 A decode step runs on a bucket of rows and of pages, not on every slot's whole context:
 the active slots gathered into the smallest power-of-two row count that holds them, each
@@ -22,6 +23,8 @@ from bov_jax.kernels import sampling as choice
 from bov_jax.model import gpt as model_lib
 from bov_jax.model import kvcache
 
+PREFILL_ROWS = (1, 2, 4, 8)  # prompts a prefill call takes, padded up to the next
+
 
 class Sampling:
   """Per-slot sampling settings as arrays [slots] (temperature 0: greedy; top_k 0 and
@@ -36,10 +39,6 @@ class Sampling:
   def set(self, slot: int, temperature: float, top_k: int, top_p: float, seed: int) -> None:
     self.temperature[slot], self.top_k[slot] = temperature, top_k
     self.top_p[slot], self.seed[slot] = top_p, seed
-
-  def row(self, slot: int) -> tuple:
-    return (self.temperature[slot:slot + 1], self.top_k[slot:slot + 1],
-            self.top_p[slot:slot + 1], self.seed[slot:slot + 1])
 
   def all(self) -> tuple:
     return self.temperature, self.top_k, self.top_p, self.seed
@@ -90,19 +89,24 @@ class Programs:
     self._decode = jax.jit(self._decode_fn, donate_argnums=1, static_argnames="pages")
     self.row_buckets = _powers(min(8, slots), slots)
     self.page_buckets = _powers(min(4, max_pages), max_pages)
+    self.prefill_rows = [n for n in PREFILL_ROWS if n <= slots]
 
-  def _prefill_fn(self, params, cache, pages_SM, ids_1T, length, slot, temperature, top_k,
-                  top_p, seed, index, *, pages):
+  def _prefill_fn(self, params, cache, pages_SM, ids_NT, length_N, slot_N, temperature_S,
+                  top_k_S, top_p_S, seed_S, index_N, *, pages):
+    """Prompts `ids_NT` (padded) into the slots `slot_N`: their cache rows, and each one's
+    first new token (a row repeated to fill the bucket writes what it wrote)."""
     model = nnx.merge(self.graphdef, params)
-    one = dict(cache, prev=cache["prev"][slot][None], pos=jnp.zeros((1,), jnp.int32),
-               pages=pages_SM[slot][None, :pages])
-    logits, one = model(ids_1T, one)
-    pre = model_lib.rmsnorm(model.wte[...].astype(model.compute_dtype)[ids_1T[0, length - 1]])
-    cache = dict(one, prev=cache["prev"].at[slot].set(pre), pos=cache["pos"].at[slot].set(length),
-                 pages=pages_SM)
-    last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, axis=0)  # [1, V]
-    token = choose(last, temperature, top_k, top_p, seed, index, self.sampler)
-    return token[0], cache
+    n = jnp.arange(ids_NT.shape[0])
+    some = dict(cache, prev=cache["prev"][slot_N], pos=jnp.zeros_like(length_N),
+                pages=pages_SM[slot_N, :pages])
+    h_NTD, some = model.hidden(ids_NT, some)
+    pre = model_lib.rmsnorm(model.wte[...].astype(model.compute_dtype)[ids_NT[n, length_N - 1]])
+    cache = dict(some, prev=cache["prev"].at[slot_N].set(pre),
+                 pos=cache["pos"].at[slot_N].set(length_N), pages=pages_SM)
+    logits_NV = model.logits(h_NTD[n, length_N - 1])  # the head at each prompt's end only
+    token = choose(logits_NV, temperature_S[slot_N], top_k_S[slot_N], top_p_S[slot_N],
+                   seed_S[slot_N], index_N, self.sampler)
+    return token, cache
 
   def _decode_fn(self, params, cache, pages_SM, tokens_S, active_S, temperature, top_k, top_p,
                  seed, index_S, rows_A, *, pages):
@@ -118,15 +122,23 @@ class Programs:
                  index_S[rows_A], self.sampler)
     return jnp.zeros_like(tokens_S).at[rows_A].set(out), cache
 
-  def prefill(self, slot: int, ids: list[int], padded: int, pages, sampling: tuple,
-              index: int) -> int:
-    """Runs a prompt (padded to `padded` positions) into `slot`; its first new token."""
-    buf = np.zeros((1, padded), np.int32)
-    buf[0, :len(ids)] = ids
-    token, self.cache = self._prefill(self.params, self.cache, pages, buf, np.int32(len(ids)),
-                                      np.int32(slot), *sampling, np.asarray([index], np.int32),
-                                      pages=min(self.max_pages, -(-padded // self.page_size)))
-    return int(token)
+  def prefill(self, prompts: list[tuple[int, list[int], int]], padded: int, pages,
+              sampling: tuple) -> list[int]:
+    """Runs prompts (slot, ids, index of the token it draws) padded to `padded` positions
+    into their slots, at most the largest of `prefill_rows` at once; each one's first new
+    token. `sampling`: every slot's settings (Sampling.all)."""
+    size = next(n for n in self.prefill_rows if n >= len(prompts))
+    rows = prompts + [prompts[0]] * (size - len(prompts))  # repeats write what they wrote
+    buf = np.zeros((size, padded), np.int32)
+    for i, (_, ids, _) in enumerate(rows):
+      buf[i, :len(ids)] = ids
+    length = np.asarray([len(ids) for _, ids, _ in rows], np.int32)
+    slot = np.asarray([s for s, _, _ in rows], np.int32)
+    index = np.asarray([k for _, _, k in rows], np.int32)
+    tokens, self.cache = self._prefill(
+        self.params, self.cache, pages, buf, length, slot, *sampling, index,
+        pages=min(self.max_pages, -(-padded // self.page_size)))
+    return [int(t) for t in np.asarray(tokens)[:len(prompts)]]
 
   def decode(self, tokens, active, pages, sampling: tuple, index, held: int | None = None,
              rows: int | None = None) -> np.ndarray:
