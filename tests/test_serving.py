@@ -80,12 +80,15 @@ def test_greedy_tokens_do_not_depend_on_what_else_is_in_flight(tiny_run, budget_
                             cache_bytes=budget_pages * _page_bytes(engine))
     assert engine.limits.num_pages == budget_pages
   engine.start()
+  compiled = [f._cache_size() for f in (engine.programs._prefill, engine.programs._decode)]
   try:
     ids = [engine.tok.encode(p) for p in PROMPTS]
     lengths = [40, 12, 33, 5, 24, 17]
     got = _generate(engine, ids, lengths)
   finally:
     engine.stop()
+  # every program compiled at start-up: none while serving
+  assert [f._cache_size() for f in (engine.programs._prefill, engine.programs._decode)] == compiled
   if budget_pages:
     assert engine.counts["preemptions"] > 0
   else:  # four prompts of one padded length together, then the two that waited

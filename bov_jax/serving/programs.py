@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from bov_jax.kernels import sampling as choice
 from bov_jax.model import gpt as model_lib
@@ -83,10 +85,20 @@ class Programs:
     self.slots, self.page_size, self.max_pages = slots, page_size, max_pages
     model = nnx.merge(graphdef, params)
     self.sampler, self.vocab_size = model.spec.sampler, model.spec.vocab_size
-    self.cache = cache if cache is not None else jax.jit(functools.partial(
-        kvcache.init_paged, model, slots, num_pages, page_size, max_pages))()
-    self._prefill = jax.jit(self._prefill_fn, donate_argnums=1, static_argnames="pages")
-    self._decode = jax.jit(self._decode_fn, donate_argnums=1, static_argnames="pages")
+    if cache is None:  # on the parameters' devices
+      where = jax.tree.leaves(params)[0].sharding
+      here = NamedSharding(where.mesh, P()) if isinstance(where, NamedSharding) else where
+      cache = jax.jit(functools.partial(kvcache.init_paged, model, slots, num_pages, page_size,
+                                        max_pages), out_shardings=here)()
+    self.cache = cache
+    # Each program returns the cache placed as it took it: a cache placed otherwise (the
+    # compiler's own choice) would make the next program compile again while serving.
+    keep = jax.tree.map(lambda x: x.sharding, cache)
+    outs = (jax.tree.leaves(keep)[0], keep)  # (tokens, cache)
+    self._prefill = jax.jit(self._prefill_fn, donate_argnums=1, static_argnames="pages",
+                            out_shardings=outs)
+    self._decode = jax.jit(self._decode_fn, donate_argnums=1, static_argnames="pages",
+                           out_shardings=outs)
     self.row_buckets = _powers(min(8, slots), slots)
     self.page_buckets = _powers(min(4, max_pages), max_pages)
     self.prefill_rows = [n for n in PREFILL_ROWS if n <= slots]
