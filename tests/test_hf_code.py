@@ -1,8 +1,9 @@
 """interop/hf_code/: the PyTorch model an exported folder carries, loaded by Hugging Face
 transformers from the folder (trust_remote_code), against bov_jax in float32: the same
 logits for every preset, the same greedy tokens as bov_jax's cached decoding, with the
-cache on or off, and a cache that keeps no values for bank layers; lm-eval's own hf model
-on the folder agrees with bov_jax.lm_eval."""
+cache on or off, and a cache that keeps no values for bank layers; an engine that keeps the
+cache itself and packs its sequences in one row (vLLM's Transformers backend) gets the same
+logits; lm-eval's own hf model on the folder agrees with bov_jax.lm_eval."""
 import json
 import os
 
@@ -113,6 +114,70 @@ def test_greedy_generate_gives_bov_jaxs_tokens_with_and_without_the_cache(tmp_pa
     assert cache.layers[i].keys.shape[-2] == len(prompt) + n - 1
     assert stored.shape[-1] == (model.spec.head_dim if layer_value.computes_v else 0), i
   assert cache.ids.tolist() == [out[0].sequences[0, :-1].tolist()]
+
+
+class PackedEngine:
+  """A reference for engines that keep the cache themselves (vLLM's Transformers backend):
+  an attention-interface entry that gets each call's tokens packed in one row, keeps every
+  sequence's keys and values per layer index, and attends within a sequence, causally,
+  within the module's window (query i sees key j iff 0 <= i - j <= window)."""
+
+  def __init__(self):
+    self.kept, self.seqs, self.pos = {}, [], []
+
+  def __call__(self, module, query, key, value, mask, scaling=None, **kwargs):
+    assert mask is None and query.shape[0] == 1
+    H, K = query.shape[1], key.shape[1]
+    window = getattr(module, "window", None)
+    for n, (s, p) in enumerate(zip(self.seqs, self.pos)):
+      self.kept.setdefault((module.layer_idx, s), []).append((p, key[0, :, n], value[0, :, n]))
+    out = []
+    for n, (s, p) in enumerate(zip(self.seqs, self.pos)):
+      seen = [(k, v) for q, k, v in self.kept[(module.layer_idx, s)]
+              if q <= p and (window is None or p - q <= window)]
+      k = torch.stack([k for k, _ in seen], 1).repeat_interleave(H // K, 0)  # [H, S, E]
+      v = torch.stack([v for _, v in seen], 1).repeat_interleave(H // K, 0)
+      w = torch.softmax((query[0, :, n, None] @ k.transpose(1, 2)) * scaling, -1)
+      out.append((w @ v)[:, 0])  # [H, E]
+    return torch.stack(out).reshape(len(out), -1), None  # [N, H * E], as vLLM returns it
+
+  def run(self, hf, calls):
+    """Each call: [(sequence, token, position)]; the logits [N, V] of every call."""
+    out = []
+    for call in calls:
+      self.seqs, self.pos = [c[0] for c in call], [c[2] for c in call]
+      ids = torch.tensor([[c[1] for c in call]])
+      with torch.no_grad():
+        out.append(hf(ids, position_ids=torch.tensor([self.pos]), use_cache=False).logits[0])
+    return out
+
+
+@pytest.mark.parametrize("preset", slow_except(  # the baseline and the paper's bank: fast
+    DECODE_PRESETS, ("gpt_base", "gpt_base_v_from_value_emb_learn")))
+def test_an_engine_keeping_the_cache_gets_the_folders_logits_from_packed_rows(tmp_path, tok,
+                                                                             texts, preset):
+  """Two sequences prefilled in chunks and decoded together, their tokens packed in each
+  call's one row, every layer's cache the engine's (values for bank layers too), the smear
+  gate's previous token read back from it (PreviousToken): each token's logits are the
+  folder's own forward's over its whole sequence."""
+  from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+  _, _, hf = exported(tmp_path, tok, preset)
+  a, b = (tok.encode(t)[:CONTEXT] for t in texts[:2])
+  with torch.no_grad():
+    want = {s: hf(torch.tensor([ids])).logits[0] for s, ids in (("a", a), ("b", b))}
+  engine = PackedEngine()
+  ALL_ATTENTION_FUNCTIONS.register("bov_test_packed", engine)
+  hf.config._attn_implementation = "bov_test_packed"
+  tok_at = lambda s, i: ("a", a[i], i) if s == "a" else ("b", b[i], i)  # noqa: E731
+  calls = [[tok_at("a", i) for i in range(20)] + [tok_at("b", i) for i in range(25)],
+           [tok_at("b", i) for i in range(25, 33)] + [tok_at("a", 20)]]
+  calls += [[tok_at("a", 21 + j), tok_at("b", 33 + j)] for j in range(CONTEXT - 33)]
+  for call, logits in zip(calls, engine.run(hf, calls)):
+    for (s, _, i), row in zip(call, logits):
+      ref = want[s][i]
+      assert float((row - ref).abs().max() / ref.abs().max()) <= TOLERANCE, (s, i)
+  # the engine kept keys and values for every layer and the smear's, n_layer + 1
+  assert {layer for layer, _ in engine.kept} == set(range(len(hf.config.window_sizes) + 1))
 
 
 def test_left_padded_batches_generate_what_each_prompt_generates_alone(tmp_path, tok, texts):

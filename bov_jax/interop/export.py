@@ -51,6 +51,7 @@ from bov_jax.store import safetensors
 HF_CODE = pathlib.Path(__file__).parent / "hf_code"
 HF_FILES = ("configuration_bov_gpt.py", "modeling_bov_gpt.py")
 AUTO_MAP = {"AutoConfig": "configuration_bov_gpt.BovGPTConfig",
+            "AutoModel": "modeling_bov_gpt.BovGPTModel",
             "AutoModelForCausalLM": "modeling_bov_gpt.BovGPTForCausalLM"}
 
 

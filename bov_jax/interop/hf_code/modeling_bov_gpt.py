@@ -16,7 +16,17 @@ Decoding keeps what bov_jax's cache keeps (the paper, Section 5): keys for every
 values only for layers that compute their own, and the token ids once; a bank layer's
 values are gathered from its table by those ids when it runs, and a layer that replaces
 its value with V1 reads layer 0's.
+
+Every attention module dispatches through transformers' attention interface
+(`ALL_ATTENTION_FUNCTIONS`, an integer `layer_idx`), so an engine that registers its own
+attention there serves the folder: vLLM's Transformers backend calls the base model
+(`BovGPTModel`) with every sequence's new tokens packed in one row and keeps the cache
+itself. That cache holds values for every layer, bank layers included (it knows no other
+kind). The smear gate reads the previous token, which a packed row does not carry: one
+more attention layer (`PreviousToken`, layer index n_layer) reads it back from that cache.
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +34,9 @@ from torch import nn
 from transformers import GenerationMixin
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_bov_gpt import BovGPTConfig
 
@@ -41,6 +53,23 @@ def rotary(x_BTNE, cos, sin):
   E = x_BTNE.shape[-1]
   x1, x2 = x_BTNE[..., : E // 2], x_BTNE[..., E // 2:]
   return torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1)
+
+
+def sdpa_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+  """The attention this folder computes itself ("eager" or "sdpa"): query [B, H, T, E], keys
+  and values [B, K, S, E], a boolean mask [B, 1, T, S]; returns [B, T, H, E]."""
+  y = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                     enable_gqa=query.shape[1] != key.shape[1])
+  return y.transpose(1, 2), None
+
+
+OWN_ATTENTION = (None, "eager", "sdpa")  # computed by sdpa_attention: masks of this folder's own
+
+
+def packed(config) -> bool:
+  """Whether an engine calls the model with its sequences' new tokens packed in one row
+  and keeps the cache (vLLM's Transformers backend)."""
+  return config._attn_implementation not in OWN_ATTENTION
 
 
 class LayerValue:
@@ -120,6 +149,7 @@ class Attention(nn.Module):
     D, H, K, E = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                   config.head_dim)
     self.i, self.lv, self.window = i, LayerValue(config, i), config.window_sizes[i]
+    self.config, self.layer_idx, self.scaling = config, i, E ** -0.5  # the interface's
     self.H, self.K, self.E = H, K, E
     self.qk_scale = config.qk_norm_scale
     self.gate_channels, self.gate_scale = config.gate_channels, config.gate_scale
@@ -173,9 +203,27 @@ class Attention(nn.Module):
     v = self.value(x_BTD, ctx.v_tilde(self))
     if ctx.i_is_v1_source(self.i):
       ctx.v1_new = v
-    k_all, v_all = k.transpose(1, 2), None if v is None else v.transpose(1, 2)
+    if ctx.packed:  # the engine caches what it is given: a replace layer's values too
+      if v is None:
+        v = self.replaced_values(ctx.table_rows(self) if self.lv.source == "table"
+                                 else ctx.v1_new)
+      k_all, v_all, mask = k.transpose(1, 2), v.transpose(1, 2), None
+    else:
+      k_all, v_all, mask = self.cached(k, v, ctx)
+    attention_interface = sdpa_attention
+    if self.config._attn_implementation not in OWN_ATTENTION:
+      attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+    y, _ = attention_interface(self, q.transpose(1, 2), k_all, v_all, mask, scaling=self.scaling)
+    return y.reshape(B, T, self.H * self.E) @ self.wo
+
+  def cached(self, k_BTKE, v_BTKE, ctx):
+    """(keys, values [B, K, S, E] over every position the cache holds, the mask): the new
+    positions' written into the BovCache, a replace layer's values rebuilt."""
+    B, T = k_BTKE.shape[:2]
+    k_all = k_BTKE.transpose(1, 2)
+    v_all = None if v_BTKE is None else v_BTKE.transpose(1, 2)
     if ctx.cache is not None:
-      empty = k.new_zeros(B, self.K, T, 0)
+      empty = k_BTKE.new_zeros(B, self.K, T, 0)
       k_all, stored = ctx.cache.update(k_all, empty if v_all is None else v_all, self.i)
       v_all = stored if v_all is not None else None
       if self.i == 0:
@@ -184,14 +232,11 @@ class Attention(nn.Module):
       ctx.v1_all = v_all
     if v_all is None:  # a replace layer: its values over every key position
       if self.lv.source == "table":
-        rows = ctx.tables[self.lv.table][ctx.ids_all].to(x_BTD.dtype)
+        rows = ctx.tables[self.lv.table][ctx.ids_all].to(k_BTKE.dtype)
         v_all = self.replaced_values(rows.view(B, -1, self.K, self.E).transpose(1, 2))
       else:
         v_all = self.replaced_values(ctx.v1_all)
-    mask = ctx.mask(self.window)
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, attn_mask=mask,
-                                       enable_gqa=self.H != self.K)
-    return y.transpose(1, 2).reshape(B, T, self.H * self.E) @ self.wo
+    return k_all, v_all, ctx.mask(self.window)
 
 
 class MLP(nn.Module):
@@ -219,15 +264,21 @@ class Block(nn.Module):
 class _Context:
   """What every layer of one forward reads besides the residual stream."""
 
-  def __init__(self, model, ids_BT, x0n_BTD, rope, pos_q, pos_k, ids_all, key_ok, cache):
+  def __init__(self, model, ids_BT, x0n_BTD, rope, pos_q, pos_k, ids_all, key_ok, cache,
+               packed_row=False):
     self.model, self.ids, self.x0n, self.rope, self.cache = model, ids_BT, x0n_BTD, rope, cache
     self.pos_q, self.pos_k, self.ids_all, self.key_ok = pos_q, pos_k, ids_all, key_ok
-    self.tables = model.tables
+    self.tables, self.packed = model.tables, packed_row
     self.v1_new = self.v1_all = None
     self.v1_source = model.config.value_mode["source"] == "v1"
 
   def i_is_v1_source(self, i):
     return i == 0 and self.v1_source
+
+  def table_rows(self, attn):
+    """A bank layer's table rows [B, T, K, E] of the new positions' ids."""
+    B, T = self.ids.shape
+    return self.tables[attn.lv.table][self.ids].to(self.x0n.dtype).view(B, T, attn.K, attn.E)
 
   def v_tilde(self, attn):
     """The context-free value V~ of a target layer for the new positions."""
@@ -238,8 +289,7 @@ class _Context:
       return attn.project_v(self.x0n)
     if lv.source == "v1":
       return self.v1_new
-    B, T = self.ids.shape
-    return self.tables[lv.table][self.ids].to(self.x0n.dtype).view(B, T, attn.K, attn.E)
+    return self.table_rows(attn)
 
   def mask(self, window):
     """[B, 1, T, S]: query i sees key j iff j is a real token at or before i within the
@@ -252,45 +302,85 @@ class _Context:
     return (seen | (kj == qi))[:, None]
 
 
+class PreviousToken(nn.Module):
+  """Each new position's previous token id, read from an engine's own cache by one more
+  attention layer (index n_layer), for the smear gate of a packed row. A query at position
+  p points at p - 1 and a key names its own position, over the head's E/2 frequencies
+  (geometric, pi down to pi / 2S: no two offsets alike within the context S), scaled so that
+  every other position scores at least MARGIN below: softmax's weight there is exp(-60),
+  nothing in float32. The value is the id in base-256 digits (exact in bfloat16 too). At
+  position 0 the query sees only itself; the smear gate is off there."""
+
+  MARGIN = 60.0
+
+  def __init__(self, config):
+    super().__init__()
+    self.config, self.layer_idx = config, len(config.window_sizes)
+    self.vocab = config.padded_vocab_size
+    self.H, self.K, self.E = (config.num_attention_heads, config.num_key_value_heads,
+                              config.head_dim)
+    S, n = config.max_position_embeddings, self.E // 2
+    self.freqs = [torch.pi * (1.0 / (2 * S)) ** (f / max(n - 1, 1)) for f in range(n)]
+    # in Python numbers: a model may be built on the meta device, where no tensor has values
+    gap = min(sum(1 - math.cos(d * w) for w in self.freqs) for d in [-1, *range(1, S + 1)])
+    self.scaling = self.MARGIN / gap
+
+  def forward(self, ids_BT, pos_BT, dtype):
+    B, T = ids_BT.shape
+    w = torch.tensor(self.freqs, dtype=torch.float32, device=ids_BT.device)
+    at = lambda p: torch.cat([torch.cos(p[..., None] * w), torch.sin(p[..., None] * w)], -1)  # noqa: E731
+    q = at(pos_BT.float() - 1).to(dtype)[:, None].expand(B, self.H, T, self.E)
+    k = at(pos_BT.float()).to(dtype)[:, None].expand(B, self.K, T, self.E)
+    digits = torch.stack([ids_BT // 65536, ids_BT // 256 % 256, ids_BT % 256], -1)
+    v = F.pad(digits.to(dtype), (0, self.E - 3))[:, None].expand(B, self.K, T, self.E)
+    attention_interface = sdpa_attention
+    if self.config._attn_implementation not in OWN_ATTENTION:
+      attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+    y, _ = attention_interface(self, q.contiguous(), k.contiguous(), v.contiguous(), None,
+                               scaling=self.scaling)
+    d = torch.nan_to_num(y.reshape(B, T, -1)[..., :3].float()).round().long()
+    # in range whatever the engine's dummy runs (no cache yet) return
+    return (d[..., 0] * 65536 + d[..., 1] * 256 + d[..., 2]).clamp(0, self.vocab - 1)
+
+
 class BovGPTPreTrainedModel(PreTrainedModel):
   config_class = BovGPTConfig
   base_model_prefix = "model"
   supports_gradient_checkpointing = False
   _no_split_modules = ["Block"]
+  _supports_attention_backend = True  # attention goes through ALL_ATTENTION_FUNCTIONS
 
   def _init_weights(self, module):
     """Every weight comes from the folder: none is initialised here."""
 
 
-class BovGPTForCausalLM(BovGPTPreTrainedModel, GenerationMixin):
+class BovGPTModel(BovGPTPreTrainedModel):
+  """The model up to its last RMSNorm: hidden states [B, T, D] (AutoModel's class, what an
+  engine with its own LM head runs). Parameters keep the folder's names."""
 
   def __init__(self, config: BovGPTConfig):
     super().__init__(config)
     Vp, D = config.padded_vocab_size, config.hidden_size
     KE = config.num_key_value_heads * config.head_dim
-    self.wte, self.lm_head = _param(Vp, D), _param(D, Vp)
+    self.wte = _param(Vp, D)
     self.smear_w, self.smear_lambda = _param(config.smear_channels), _param()
-    self.blocks = nn.ModuleList([Block(config, i) for i in range(config.num_hidden_layers)])
+    self.blocks = nn.ModuleList([Block(config, i) for i in range(len(config.window_sizes))])
     names = sorted({b.attn.lv.table for b in self.blocks if b.attn.lv.table})
     self.tables = nn.ParameterDict({n: _param(Vp, KE) for n in names})
+    # named by its layer index (previous.<n_layer>): engines read a layer's index off its name
+    self.previous = nn.ModuleDict({str(len(config.window_sizes)): PreviousToken(config)})
     self.post_init()
-
-  @classmethod
-  def _supports_default_dynamic_cache(cls) -> bool:
-    return False  # generate leaves the cache to forward, which makes a BovCache
 
   def get_input_embeddings(self):
     return None  # the embedding is a raw parameter (bov_jax's layout), not an nn.Embedding
 
-  def _embed(self, ids_BT, prev_ids_B, has_prev_BT):
+  def _embed(self, ids_BT, prev_BTD, has_prev_BT):
     """Token embedding, RMSNorm and smear: x + lambda sigmoid(x[:24] w) x_prev, x_prev the
     previous token's normed embedding (none at position 0)."""
     x = rms_norm(self.wte[ids_BT])
-    first = x[:, :1] * 0 if prev_ids_B is None else rms_norm(self.wte[prev_ids_B])[:, None]
-    prev = torch.cat([first, x[:, :-1]], dim=1)
     c = self.config.smear_channels
     gate = self.smear_lambda.to(x.dtype) * torch.sigmoid(x[..., :c] @ self.smear_w.to(x.dtype))
-    return x + torch.where(has_prev_BT[..., None], gate[..., None] * prev, 0)
+    return x + torch.where(has_prev_BT[..., None], gate[..., None] * prev_BTD, 0)
 
   def _rope(self, pos_BT, dtype):
     E = self.config.head_dim
@@ -299,37 +389,83 @@ class BovGPTForCausalLM(BovGPTPreTrainedModel, GenerationMixin):
     angle = pos_BT.float()[..., None] * inv_freq
     return angle.cos()[:, :, None, :].to(dtype), angle.sin()[:, :, None, :].to(dtype)
 
-  def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
-              use_cache=None, labels=None, logits_to_keep=0, **kwargs):
-    """Logits [B, T, V] (float32, soft-capped); with use_cache, the BovCache too. A 2D
-    attention_mask (left padding) marks the real tokens; positions count only those."""
-    if kwargs.get("inputs_embeds") is not None:
-      raise ValueError("BovGPT reads token ids (its bank layers look values up by id), not "
-                       "inputs_embeds")
-    use_cache = self.config.use_cache if use_cache is None else use_cache
-    if cache is not None and not isinstance(cache, BovCache):
-      raise ValueError(f"cache: expected a BovCache (or None), got {type(cache).__name__}")
-    if use_cache and cache is None:
-      cache = BovCache()
+  def hidden(self, input_ids, attention_mask=None, position_ids=None, cache=None):
+    """The last RMSNorm's output [B, T, D]; the BovCache (or None) updated. A 2D
+    attention_mask (left padding) marks the real tokens; positions count only those. An
+    engine's packed row (vLLM's Transformers backend) has its positions and keeps its cache."""
     B, T = input_ids.shape
-    past = 0 if cache is None or cache.ids is None else cache.ids.shape[1]
-    dev = input_ids.device
-    if attention_mask is None:
-      key_ok = torch.ones(B, past + T, dtype=torch.bool, device=dev)
+    dtype = self.wte.dtype
+    if packed(self.config):
+      (previous,) = self.previous.values()
+      prev = rms_norm(self.wte[previous(input_ids, position_ids, dtype)])
+      x = self._embed(input_ids, prev, position_ids >= 1)
+      ctx = _Context(self, input_ids, rms_norm(x), self._rope(position_ids, x.dtype),
+                     position_ids, position_ids, input_ids, None, None, packed_row=True)
     else:
-      key_ok = attention_mask[:, -(past + T):].bool()
-    if position_ids is None:
-      position_ids = (key_ok.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
-    prev_ids = None if past == 0 else cache.ids[:, -1]
-    x = self._embed(input_ids, prev_ids, position_ids >= 1)
-    pos_k, ids_all = position_ids, input_ids
-    if cache is not None:
-      ids_all, pos_k = cache.add_tokens(input_ids, position_ids)
-    ctx = _Context(self, input_ids, rms_norm(x), self._rope(position_ids, x.dtype),
-                   position_ids, pos_k, ids_all, key_ok, cache)
+      past = 0 if cache is None or cache.ids is None else cache.ids.shape[1]
+      dev = input_ids.device
+      if attention_mask is None:
+        key_ok = torch.ones(B, past + T, dtype=torch.bool, device=dev)
+      else:
+        key_ok = attention_mask[:, -(past + T):].bool()
+      if position_ids is None:
+        position_ids = (key_ok.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+      x = rms_norm(self.wte[input_ids])
+      first = x[:, :1] * 0 if past == 0 else rms_norm(self.wte[cache.ids[:, -1]])[:, None]
+      x = self._embed(input_ids, torch.cat([first, x[:, :-1]], dim=1), position_ids >= 1)
+      pos_k, ids_all = position_ids, input_ids
+      if cache is not None:
+        ids_all, pos_k = cache.add_tokens(input_ids, position_ids)
+      ctx = _Context(self, input_ids, rms_norm(x), self._rope(position_ids, x.dtype),
+                     position_ids, pos_k, ids_all, key_ok, cache)
     for block in self.blocks:
       x = block(x, ctx)
-    h = rms_norm(x)
+    return rms_norm(x)
+
+  def _cache_for(self, cache, use_cache):
+    use_cache = self.config.use_cache if use_cache is None else use_cache
+    if packed(self.config):
+      return None, False
+    if cache is not None and not isinstance(cache, BovCache):
+      raise ValueError(f"cache: expected a BovCache (or None), got {type(cache).__name__}")
+    return (BovCache() if use_cache and cache is None else cache), use_cache
+
+  def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+              use_cache=None, return_dict=None, inputs_embeds=None, **kwargs):
+    """Hidden states [B, T, D] after the last RMSNorm (and, with use_cache, the BovCache)."""
+    if inputs_embeds is not None:
+      raise ValueError("BovGPT reads token ids (its bank layers look values up by id), not "
+                       "inputs_embeds")
+    cache, use_cache = self._cache_for(cache, use_cache)
+    h = self.hidden(input_ids, attention_mask, position_ids, cache)
+    if return_dict is False:
+      return (h,)
+    return BaseModelOutputWithPast(last_hidden_state=h, past_key_values=cache if use_cache
+                                   else None)
+
+
+class BovGPTForCausalLM(BovGPTModel, GenerationMixin):
+  """The model and its LM head: soft-capped logits. The parameters are BovGPTModel's and
+  `lm_head` [D, padded vocab], applied as h @ W."""
+
+  def __init__(self, config: BovGPTConfig):
+    super().__init__(config)
+    self.lm_head = _param(config.hidden_size, config.padded_vocab_size)
+    self.post_init()
+
+  @classmethod
+  def _supports_default_dynamic_cache(cls) -> bool:
+    return False  # generate leaves the cache to forward, which makes a BovCache
+
+  def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+              use_cache=None, labels=None, logits_to_keep=0, inputs_embeds=None, **kwargs):
+    """Logits [B, T, V] (float32, soft-capped); with use_cache, the BovCache too. A 2D
+    attention_mask (left padding) marks the real tokens; positions count only those."""
+    if inputs_embeds is not None:
+      raise ValueError("BovGPT reads token ids (its bank layers look values up by id), not "
+                       "inputs_embeds")
+    cache, use_cache = self._cache_for(cache, use_cache)
+    h = self.hidden(input_ids, attention_mask, position_ids, cache)
     if logits_to_keep:
       h = h[:, -logits_to_keep:]
     z = (h @ self.lm_head.to(h.dtype))[..., :self.config.vocab_size].float()
