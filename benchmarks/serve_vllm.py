@@ -30,31 +30,31 @@ import json
 import os
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model class registered here
-
-import numpy as np  # noqa: E402
-from vllm import LLM  # noqa: E402
-from vllm import ModelRegistry  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm import TokensPrompt  # noqa: E402
-from vllm.model_executor.models.transformers import TransformersForCausalLM  # noqa: E402
+import numpy as np
 
 
-class BovTransformersForCausalLM(TransformersForCausalLM):
-  """The Transformers backend's causal LM with the folder's head layout."""
+def register(architecture: str) -> None:
+  """The Transformers backend's causal LM with the folder's head layout, registered for
+  the folder's architecture (vLLM imported here: the pure functions below run without it)."""
+  from vllm import ModelRegistry
+  from vllm.model_executor.models.transformers import TransformersForCausalLM
 
-  def _vocab_embeddings(self):
-    return set()  # `wte` is a raw parameter the model indexes itself
+  class BovTransformersForCausalLM(TransformersForCausalLM):
 
-  def load_weights(self, weights):
-    vocab = self.text_config.vocab_size
+    def _vocab_embeddings(self):
+      return set()  # `wte` is a raw parameter the model indexes itself
 
-    def renamed(pairs):
-      for name, w in pairs:
-        yield (("lm_head.weight", w.t()[:vocab].contiguous()) if name == "lm_head"
-               else (name, w))
+    def load_weights(self, weights):
+      vocab = self.text_config.vocab_size
 
-    return super().load_weights(renamed(weights))
+      def renamed(pairs):
+        for name, w in pairs:
+          yield (("lm_head.weight", w.t()[:vocab].contiguous()) if name == "lm_head"
+                 else (name, w))
+
+      return super().load_weights(renamed(weights))
+
+  ModelRegistry.register_model(architecture, BovTransformersForCausalLM)
 
 
 def overrides(config: dict) -> dict:
@@ -89,7 +89,11 @@ def main() -> None:
     config = json.load(f)
   with open(args.requests) as f:
     reqs = json.load(f)["requests"]
-  ModelRegistry.register_model(config["architectures"][0], BovTransformersForCausalLM)
+  os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the class registered here
+  from vllm import LLM
+  from vllm import SamplingParams
+  from vllm import TokensPrompt
+  register(config["architectures"][0])
   longest = max(len(r["prompt"]) + r["max_tokens"] for r in reqs)
   kwargs = {}
   if args.cache_bytes:

@@ -382,3 +382,28 @@ def test_bench_serve_runs_every_system_on_one_request_set(tiny_run):
   assert by["engine"]["cache_bytes_per_position"] < by["baseline"]["cache_bytes_per_position"]
   for s in ("engine", "baseline", "static", "hf"):
     assert by[s]["tokens_per_s"] > 0 and by[s]["ttft_p50_s"] <= by[s]["ttft_p99_s"]
+
+
+def test_vllms_view_of_a_folder_adds_the_previous_token_layer_and_its_window():
+  """benchmarks/serve_vllm.py (run in vLLM's own environment; these parts need no vLLM):
+  one attention layer more than the model (the smear's previous token), the short-window
+  layers as vLLM's sliding attention with the query's own position counted, one window
+  only, and vLLM's cache bytes: keys and values of every layer, the extra one included."""
+  from benchmarks import serve_vllm
+  config = {"max_position_embeddings": 256, "window_sizes": [128, 128, 128, 256, 128, 256],
+            "logit_softcap": 15.0, "num_key_value_heads": 2, "head_dim": 64}
+  out = serve_vllm.overrides(config)
+  assert out == {"num_hidden_layers": 7, "sliding_window": 129, "final_logit_softcapping": 15.0,
+                 "layer_types": ["sliding_attention"] * 3 + ["full_attention", "sliding_attention",
+                                                             "full_attention", "full_attention"]}
+  assert "sliding_window" not in serve_vllm.overrides(dict(config, window_sizes=[256] * 6))
+  with pytest.raises(ValueError, match="one sliding window"):
+    serve_vllm.overrides(dict(config, window_sizes=[64, 128, 256]))
+  assert serve_vllm.cache_bytes_per_position(config, 4) == 7 * 2 * 2 * 64 * 4
+
+
+def test_bench_serve_names_the_missing_vllm_environment():
+  """--systems=vllm without --vllm_python: one error naming the flag, before anything runs."""
+  from benchmarks import serve
+  with pytest.raises(ValueError, match="--vllm_python"):
+    serve.run_vllm(None, "unused", [], 8, 1)
