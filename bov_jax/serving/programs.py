@@ -5,11 +5,10 @@ one prompt as for several), and one decode step of the active slots. Each choose
 next token on the device with the slot's own sampling settings.
 
 A decode step runs on a bucket of rows and of pages, not on every slot's whole context:
-the active slots gathered into the smallest row count of the buckets that holds them, each
-reading only the first pages that the longest of them holds (from buckets too). Buckets
-go up by 1.5x and 2x in turn (8, 12, 16, 24, 32, ...), so a step pays for at most a
-third more rows or pages than it runs. Its cost follows what is in flight, as vLLM's
-does, with a few programs compiled at start-up instead of one per shape."""
+the active slots gathered into the smallest power-of-two row count that holds them, each
+reading only the first pages that the longest of them holds (also a power of two). Its
+cost follows what is in flight, as vLLM's does, with a few programs compiled at start-up
+instead of one per shape."""
 
 from __future__ import annotations
 
@@ -100,8 +99,8 @@ class Programs:
                             out_shardings=outs)
     self._decode = jax.jit(self._decode_fn, donate_argnums=1, static_argnames="pages",
                            out_shardings=outs)
-    self.row_buckets = _buckets(min(8, slots), slots)
-    self.page_buckets = _buckets(min(4, max_pages), max_pages)
+    self.row_buckets = _powers(min(8, slots), slots)
+    self.page_buckets = _powers(min(4, max_pages), max_pages)
     self.prefill_rows = [n for n in PREFILL_ROWS if n <= slots]
 
   def _prefill_fn(self, params, cache, pages_SM, ids_NT, length_N, slot_N, temperature_S,
@@ -189,12 +188,10 @@ class Programs:
         self.decode(zeros, none, pages, sampling, zeros, held, rows)
 
 
-def _buckets(lo: int, hi: int) -> list[int]:
-  """lo, 1.5 lo, 2 lo, 3 lo, 4 lo, ... below hi, then hi: a decode step's cost is about
-  linear in its rows and pages (docs/performance.md, "Serving"), and doubling alone wasted
-  a third of a step on average."""
+def _powers(lo: int, hi: int) -> list[int]:
+  """lo, 2 lo, 4 lo, ... below hi, then hi."""
   out = []
   while lo < hi:
-    out += [n for n in sorted({lo, lo * 3 // 2}) if n < hi]
+    out.append(lo)
     lo *= 2
   return out + [hi]
