@@ -117,7 +117,7 @@ def main() -> None:
          "seconds": round(wall, 3), "tokens_per_s": round(n_out / wall, 1),
          "ttft_p50_s": round(float(np.percentile(ttft, 50)), 3) if ttft else None,
          "ttft_p99_s": round(float(np.percentile(ttft, 99)), 3) if ttft else None,
-         "in_flight_peak": args.slots,
+         "max_num_seqs": args.slots,  # vLLM's cap; what it held in flight it does not report here
          "cache_bytes_per_position": cache_bytes_per_position(config, 4),
          "tokens": tokens}
   with open(args.out, "w") as f:
