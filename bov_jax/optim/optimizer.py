@@ -20,6 +20,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from bov_jax.kernels import polar
+from bov_jax.parallel import owners
 from bov_jax.parallel import sharding
 
 MUON_BETA2 = 0.9
@@ -82,6 +83,11 @@ def _second_shape(shape):
   return (1, shape[1]) if axis == 0 else (shape[0], 1)
 
 
+def _transposed(spec: P) -> P:
+  """The PartitionSpec of a matrix's transpose."""
+  return P(*reversed(tuple(spec) + (None,) * (2 - len(spec))))
+
+
 def muon_direction(g, buf, buf2, momentum, polar_dtype=jnp.float32, polar_gram=True):
   """One matrix's Muon direction and new buffers: momentum (no bias correction), Polar
   Express, then variance reduction rescaled to the same Frobenius norm."""
@@ -133,13 +139,13 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
   ortho = functools.partial(orthogonalise, polar_dtype=polar_dtype, polar_gram=polar_gram)
 
   def apply(x, p, lr_eff, wd):
-    """The update of one matrix from its direction x (cautious weight decay)."""
+    """The update of one matrix from its direction x (cautious weight decay), in
+    update_dtype (the caller casts it to the parameter's)."""
     pf = p.astype(jnp.float32)
     mask = (x * pf >= 0)  # cautious: decay only where it agrees
     lr_u, wd_u = (jnp.asarray(v, update_dtype) for v in (lr_eff, wd))
     x_u, p_u = x.astype(update_dtype), pf.astype(update_dtype)
-    u = lr_u * x_u + lr_u * wd_u * p_u * mask.astype(update_dtype)
-    return (-u).astype(p.dtype)
+    return -(lr_u * x_u + lr_u * wd_u * p_u * mask.astype(update_dtype))
 
   def split_over_devices(paths, gs, bufs, bufs2, ps, lr, m, wd, n_shards):
     """Every matrix's update and buffers, the work split over the devices: the matrices
@@ -151,14 +157,17 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
     groups = {}
     for k, g in enumerate(gs):
       tall = g.shape[0] > g.shape[1]
-      as_wide = lambda spec: (P(*reversed(tuple(spec) + (None,) * (2 - len(spec)))) if tall
-                              else spec)
+      as_wide = lambda spec: _transposed(spec) if tall else spec
       p_spec, u_spec = map(as_wide, layout.specs(paths[k]))
       groups.setdefault((g.shape[::-1] if tall else g.shape, p_spec), []).append((k, tall, u_spec))
     for (_, p_spec), members in groups.items():
       u_specs = {u_spec for _, _, u_spec in members}  # where the momentum step leaves them
       u_spec = u_specs.pop() if len(u_specs) == 1 else None
       members = [(k, tall) for k, tall, _ in members]
+      if u_spec is not None and owners.slice_split(u_spec):
+        across_slices(members, u_spec, p_spec, gs, bufs, bufs2, ps, lr, m, wd,
+                      upd, new_bufs, new_bufs2)
+        continue
       pad = -len(members) % n_shards
       wide = lambda x, tall: x.T if tall else x
 
@@ -178,10 +187,40 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
                           for k, _ in members] + [lr] * pad)
       u = jax.vmap(apply, in_axes=(0, 0, 0, None))(
           x, stack([wide(ps[k], tall) for k, tall in members], p_spec), lr_eff, wd)
-      u = jax.lax.with_sharding_constraint(u, P(None, *p_spec))
+      u = jax.lax.with_sharding_constraint(u.astype(ps[members[0][0]].dtype), P(None, *p_spec))
       for j, (k, tall) in enumerate(members):
         upd[k], new_bufs2[k] = wide(u[j], tall), wide(b2[j], tall)
     return upd, new_bufs, new_bufs2
+
+  def across_slices(members, u_spec, p_spec, gs, bufs, bufs2, ps, lr, m, wd,
+                    upd, new_bufs, new_bufs2):
+    """split_over_devices for a stack whose state is split across slices as well: each
+    slice orthogonalises its own part of the stack (parallel/owners.py), so no slice
+    repeats another's; the updates travel back in update_dtype."""
+    wide = lambda x, tall: x.T if tall else x  # noqa: E731
+    us = []
+    for k, tall in members:
+      u, new_bufs[k] = muon_momentum_step(gs[k], bufs[k], m)
+      us.append(wide(u, tall))
+    places = owners.slots(len(members))
+
+    def arrange(xs):  # one per member -> the owners' stack, zero matrices where none
+      zero = jnp.zeros_like(xs[0])
+      return jax.lax.with_sharding_constraint(
+          jnp.stack([zero if j is None else xs[j] for j in places]), owners.owner_spec())
+
+    stacked = jax.lax.with_sharding_constraint(jnp.stack(us), P(None, *u_spec))
+    x, b2 = jax.vmap(ortho)(owners.to_owners(stacked, u_spec),
+                            arrange([wide(bufs2[k], tall) for k, tall in members]))
+    lr_eff = jnp.stack([lr if j is None else lr * math.sqrt(max(
+        1.0, gs[members[j][0]].shape[1] / gs[members[j][0]].shape[0])) for j in places])
+    u = jax.vmap(apply, in_axes=(0, 0, 0, None))(
+        x, arrange([wide(ps[k], tall) for k, tall in members]), lr_eff, wd)
+    u = owners.from_owners(u, u_spec, len(members))
+    for j, (k, tall) in enumerate(members):
+      upd[k] = jax.lax.with_sharding_constraint(wide(u[j], tall).astype(ps[k].dtype),
+                                                _transposed(p_spec) if tall else p_spec)
+      new_bufs2[k] = wide(b2[places.index(j)], tall)
 
   def one_device(gs, bufs, bufs2, ps, lr, m, wd):
     """Every matrix's update and buffers on this device (stacked by shape when batched)."""
@@ -201,7 +240,7 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
         outs = [tuple(a[j] for a in stacked) for j in range(len(ks))]
       for k, (x, b, b2) in zip(ks, outs):
         new_bufs[k], new_bufs2[k] = b, b2
-        upd[k] = apply(x, ps[k], lr_eff, wd)
+        upd[k] = apply(x, ps[k], lr_eff, wd).astype(ps[k].dtype)
     return upd, new_bufs, new_bufs2
 
   def init(params):
@@ -221,7 +260,8 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
     s_leaves = treedef.flatten_up_to(state.second)
     p_leaves = treedef.flatten_up_to(params)
     n_shards = sharding.shards("stack") if layout is not None else 1
-    if n_shards > 1:
+    mesh = jax.sharding.get_abstract_mesh()
+    if n_shards > 1 or (layout is not None and not mesh.empty and mesh.shape["slice"] > 1):
       upd, bufs, bufs2 = split_over_devices([path for path, _ in paths_g], g_leaves, b_leaves,
                                             s_leaves, p_leaves, lr, m, wd, n_shards)
     else:
@@ -250,6 +290,13 @@ def label(path: tuple[str, ...]) -> str:
   if head == "blocks":
     return "muon"
   raise ValueError(f"no optimizer group for parameter {'/'.join(path)}")
+
+
+def splits_across_slices(path) -> bool:
+  """Whether a parameter's optimizer state and update are split across slices as well
+  as inside them (state_layout.update_specs): Muon's matrices, whose Polar Express is
+  most of the optimizer's arithmetic; Adam's elementwise update repeats in every slice."""
+  return label(tuple(str(k) for k in path)) == "muon"
 
 
 def labels(params):

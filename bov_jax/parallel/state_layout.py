@@ -39,31 +39,49 @@ def like_params(tree, param_specs, param_shapes):
   return jax.tree_util.tree_map_with_path(f, tree)
 
 
-def update_specs(param_specs, params, mesh):
+def update_specs(param_specs, params, mesh, across_slices=None):
   """The layout the optimizer keeps its state in and computes its update in, as
   PartitionSpecs like `param_specs`: over data replicas, each parameter's own spec with
   `data` added as the major split of the first dimension it divides (ZeRO-1; MaxText's
   `shard_optimizer_over_data`), so every replica updates a 1/data share; a parameter
-  that no dimension of divides (a scalar) keeps its spec and is updated whole."""
-  data = mesh.shape["data"]
-  if data == 1:
+  that no dimension of divides (a scalar) keeps its spec and is updated whole.
+
+  Over several slices, a parameter for which `across_slices(path keys)` holds is split
+  over `data` x `slice` instead (`slice` minor: a chip's share is a part of its slice's
+  share), where that divides: its share is reduce-scattered across slices too, and its
+  update runs once over all slices (optim.muon); the others repeat in every slice."""
+  data, slices = mesh.shape["data"], mesh.shape.get("slice", 1)
+  if data * slices == 1:
     return param_specs
 
-  def f(spec, x):
+  def f(path, spec, x):
     entries = list(spec) + [None] * (len(x.shape) - len(spec))
-    for i, (entry, n) in enumerate(zip(entries, x.shape)):
-      axes = sharding.axes_of(entry)
-      if "data" not in axes and n % (data * math.prod(mesh.shape[a] for a in axes)) == 0:
-        entries[i] = ("data", *axes) if axes else "data"
-        return P(*entries)
+    split = ("data", "slice") if slices > 1 and across_slices and across_slices(
+        sharding.path_keys(path)) else ("data",)
+    for reps in ((split, ("data",)) if len(split) > 1 else (split,)):
+      reps = tuple(a for a in reps if mesh.shape[a] > 1)
+      for i, (entry, n) in enumerate(zip(entries, x.shape)):
+        axes = sharding.axes_of(entry)
+        if reps and "data" not in axes and n % math.prod(
+            mesh.shape[a] for a in reps + axes) == 0:
+          entries[i] = reps + axes if len(reps + axes) > 1 else reps[0]
+          return P(*entries)
     return spec
 
-  return jax.tree.map(f, param_specs, params, is_leaf=lambda x: isinstance(x, P))
+  return jax.tree_util.tree_map_with_path(f, param_specs, params,
+                                          is_leaf=lambda x: isinstance(x, P))
+
+
+def slice_split(spec: P) -> bool:
+  """Whether a spec of `update_specs` splits its parameter's share across slices."""
+  return any("slice" in sharding.axes_of(e) for e in spec)
 
 
 def data_dim(spec: P) -> int:
-  """The dimension a spec splits over `data`, or -1 (a tree leaf, where None is not)."""
-  return next((i for i, e in enumerate(spec) if "data" in sharding.axes_of(e)), -1)
+  """The dimension a spec splits over the replicas (`data`, or `data` x `slice`), or -1
+  (a tree leaf, where None is not)."""
+  return next((i for i, e in enumerate(spec) if {"data", "slice"} & set(sharding.axes_of(e))),
+              -1)
 
 
 class UpdateLayout:

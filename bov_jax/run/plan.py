@@ -88,7 +88,8 @@ def _layout(spec):
   specs = sharding.param_specs(abstract, mesh)
   params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
                         nnx.to_pure_dict(abstract))
-  kept = state_layout.update_specs(specs, params, mesh) if spec.optim.shard_optimizer else specs
+  kept = (state_layout.update_specs(specs, params, mesh, optim.splits_across_slices)
+          if spec.optim.shard_optimizer else specs)
   return mesh, params, specs, kept
 
 
@@ -109,7 +110,7 @@ def gradient_share_bytes(spec) -> int:
   slice (stored dtypes; the optimizer's share where optim.shard_optimizer splits it):
   what the step all-reduces across slices, once (training/step.py)."""
   mesh, params, _, kept = _layout(spec)
-  return state_layout.bytes_per_device(params, kept, mesh.shape)
+  return state_layout.bytes_per_device(params, kept, {**mesh.shape, "slice": 1})
 
 
 DCN_GBPS = 25.0  # a v5e host's data-center network, 2 x 100 Gbit/s, over its 8 chips

@@ -70,21 +70,29 @@ def make_train_step(graphdef, tx, update_specs=None):
     replica's gradients stay its own through the loop, then one reduce-scatter (or
     all-reduce) over the slice's replicas and one all-reduce of that share over slices."""
     specs = (jax.tree.map(lambda _: P(), params) if update_specs is None else update_specs)
-    dims = jax.tree.map(state_layout.data_dim, specs, is_leaf=lambda x: isinstance(x, P))
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    dims = jax.tree.map(state_layout.data_dim, specs, is_leaf=is_spec)
+    # the replica axes each share is split over (a dimension's `data` x `slice` part)
+    reps = jax.tree.map(lambda s, d: () if d < 0 else tuple(
+        a for a in sharding.axes_of(s[d]) if a in REPLICAS), specs, dims, is_leaf=is_spec)
 
-    def reduce(g, dim):
+    def reduce(g, dim, axes):
       g = (jax.lax.psum(g, "data") if dim < 0 else
            jax.lax.psum_scatter(g, "data", scatter_dimension=dim, tiled=True))
+      if "slice" in axes:  # across slices too: this chip's share of its slice's share
+        return jax.lax.psum_scatter(g, "slice", scatter_dimension=dim, tiled=True)
       return jax.lax.psum(g, "slice")  # across slices: this chip's share only
 
     def local(params, inputs, targets):
       # a micro-batch's loss counts by its share of every replica's targets
       totals = jax.lax.psum(jnp.sum(targets >= 0, axis=(1, 2)), REPLICAS)
       (loss, grads), n = accumulate(params, inputs, targets, totals)
-      return jax.lax.psum(loss, REPLICAS) / n, jax.tree.map(lambda g, d: reduce(g, d) / n,
-                                                            grads, dims)
+      return jax.lax.psum(loss, REPLICAS) / n, jax.tree.map(
+          lambda g, d, a: reduce(g, d, a) / n, grads, dims, reps,
+          is_leaf=lambda x: isinstance(x, tuple))
 
-    out_specs = jax.tree.map(lambda d: P() if d < 0 else P(*([None] * d), "data"), dims)
+    out_specs = jax.tree.map(lambda d, a: P() if d < 0 else P(*([None] * d), a),
+                             dims, reps, is_leaf=lambda x: isinstance(x, tuple))
     rows = P(None, REPLICAS)
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), rows, rows),
                          out_specs=(P(), out_specs), axis_names=set(REPLICAS),
@@ -157,7 +165,8 @@ def build(spec: RunSpec, mesh, num_iterations: int, key=None, init: bool = True)
                                        else params_lib.abstract_params(spec.model, mesh))
   param_specs = sharding.param_specs_of(param_shardings)
   update_layout = (state_layout.UpdateLayout(param_specs,
-                                             state_layout.update_specs(param_specs, params, mesh))
+                                             state_layout.update_specs(param_specs, params, mesh,
+                                                                       optim.splits_across_slices))
                    if spec.optim.shard_optimizer and mesh.size > 1 else None)
   update_specs = None if update_layout is None else update_layout.update_specs
   tx = optim.make(spec.optim, num_iterations, layout=update_layout)
