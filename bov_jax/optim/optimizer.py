@@ -204,18 +204,19 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
       us.append(wide(u, tall))
     places = owners.slots(len(members))
 
-    def arrange(xs):  # one per member -> the owners' stack, zero matrices where none
+    def arrange(xs, spec):  # one per member -> the owners' stack, zero matrices where none
       zero = jnp.zeros_like(xs[0])
-      return jax.lax.with_sharding_constraint(
-          jnp.stack([zero if j is None else xs[j] for j in places]), owners.owner_spec())
+      xs = jax.lax.with_sharding_constraint(
+          jnp.stack([zero if j is None else xs[j] for j in places]), P(None, *spec))
+      return jax.lax.with_sharding_constraint(xs, owners.owner_spec())
 
     stacked = jax.lax.with_sharding_constraint(jnp.stack(us), P(None, *u_spec))
     x, b2 = jax.vmap(ortho)(owners.to_owners(stacked, u_spec),
-                            arrange([wide(bufs2[k], tall) for k, tall in members]))
+                            arrange([wide(bufs2[k], tall) for k, tall in members], P()))
     lr_eff = jnp.stack([lr if j is None else lr * math.sqrt(max(
         1.0, gs[members[j][0]].shape[1] / gs[members[j][0]].shape[0])) for j in places])
     u = jax.vmap(apply, in_axes=(0, 0, 0, None))(
-        x, arrange([wide(ps[k], tall) for k, tall in members]), lr_eff, wd)
+        x, arrange([wide(ps[k], tall) for k, tall in members], p_spec), lr_eff, wd)
     u = owners.from_owners(u, u_spec, len(members))
     for j, (k, tall) in enumerate(members):
       upd[k] = jax.lax.with_sharding_constraint(wide(u[j], tall).astype(ps[k].dtype),

@@ -48,8 +48,9 @@ def update_specs(param_specs, params, mesh, across_slices=None):
 
   Over several slices, a parameter for which `across_slices(path keys)` holds is split
   over `data` x `slice` instead (`slice` minor: a chip's share is a part of its slice's
-  share), where that divides: its share is reduce-scattered across slices too, and its
-  update runs once over all slices (optim.muon); the others repeat in every slice."""
+  share), on its smallest dimension that divides: its share is reduce-scattered across
+  slices too, and its update runs once over all slices (optim.muon); the others repeat
+  in every slice."""
   data, slices = mesh.shape["data"], mesh.shape.get("slice", 1)
   if data * slices == 1:
     return param_specs
@@ -60,7 +61,12 @@ def update_specs(param_specs, params, mesh, across_slices=None):
         sharding.path_keys(path)) else ("data",)
     for reps in ((split, ("data",)) if len(split) > 1 else (split,)):
       reps = tuple(a for a in reps if mesh.shape[a] > 1)
-      for i, (entry, n) in enumerate(zip(entries, x.shape)):
+      # across slices the smaller dimension first: a matrix's rows as Muon stacks it
+      # (a tall one transposed), so a stack's members all split alike
+      order = (sorted(range(len(entries)), key=lambda i: x.shape[i]) if "slice" in reps
+               else range(len(entries)))
+      for i in order:
+        entry, n = entries[i], x.shape[i]
         axes = sharding.axes_of(entry)
         if reps and "data" not in axes and n % math.prod(
             mesh.shape[a] for a in reps + axes) == 0:
