@@ -28,8 +28,9 @@ send's operand, by transfer type, loop trips applied), the bytes a chip sends fo
 on a ring of S slices (an all-reduce 2 (S-1)/S of its operand, a reduce-scatter or
 all-to-all (S-1)/S, an all-gather S-1 times its piece, a one-to-one its operand), the
 floor (each chip's gradient share all-reduced once: `plan.gradient_share_bytes`, sent
-as an all-reduce sends it), and `in_loops`, the bytes of transfers inside any loop (the
-micro-batch loop's among them), which must be 0.
+as an all-reduce sends it), `planned` (what `plan.across_slices` says the step sends),
+and `in_loops`, the bytes of transfers inside any loop (the micro-batch loop's among
+them), which must be 0.
 """
 
 from __future__ import annotations
@@ -258,9 +259,11 @@ def run_one(name: str, topology: str) -> dict:
                                      / train["model_flops_per_chip"], 4)
     if report["slices"] > 1:
       cross = across_slices(kept["train_step"].as_text(), report["slices"])
-      least = plan.across_slices(spec)["sent_bytes_per_chip"]
+      planned = plan.across_slices(spec, report["peak_flops"])
+      least = planned["floor_bytes_per_chip"]
       cross.update(floor=least, vs_floor=round(cross["sent"] / least, 3),
-                   **{k: v for k, v in plan.across_slices(spec, report["peak_flops"]).items()
+                   planned=planned["sent_bytes_per_chip"],
+                   **{k: v for k, v in planned.items()
                       if k in ("dcn_gbps_per_chip", "dcn_seconds", "compute_seconds_at_peak",
                                "dcn_vs_compute")})
       train["across_slices"] = cross

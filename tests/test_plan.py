@@ -90,15 +90,22 @@ def test_a_paper_config_without_its_corpus_is_named(tmp_path):
 
 def test_plan_over_two_slices_gives_what_crosses_them_against_the_compute():
   """--mode=plan --topology=2xv5p-64: the mesh's slices, each chip's gradient share (the
-  optimizer's split of the parameters over a slice's 32 data chips) all-reduced across
-  the slices, its time at --dcn_gbps beside the step's compute at the v5p's peak; a
-  single slice has no such figures, and the same run named by mesh.slices is the same."""
+  optimizer's split of the parameters over a slice's 32 data chips), the floor (that
+  share all-reduced across the slices) and what the step sends: Muon's part
+  reduce-scattered, its momentum's rows to their owners (float32) and the updates back
+  in bfloat16 (under bfloat16 compute), which on two slices sums to the floor; its time
+  at --dcn_gbps beside the step's compute at the v5p's peak; a single slice has no such
+  figures, and the same run named by mesh.slices is the same."""
   two = _plan_cli("configs/bov_780m.py", "--topology=2xv5p-64", "--dcn_gbps=50")
   assert two["mesh"] == {"slice": 2, "data": 32, "fsdp": 1, "tensor": 1}
   x = two["across_slices"]
   share = x["gradient_share_bytes"]
   assert two["param_bytes_per_device"] / 32 <= share <= two["param_bytes_per_device"] / 31
-  assert x["sent_bytes_per_chip"] == share  # a ring of two: half out, half back in
+  assert x["floor_bytes_per_chip"] == share  # a ring of two: half out, half back in
+  assert x["sent_bytes_per_chip"] == share and x["sent_vs_floor"] == 1.0
+  f32 = _plan_cli("configs/bov_780m.py", "--topology=2xv5p-64", "--dcn_gbps=50",
+                  "--config.optim.muon_update_dtype=float32")["across_slices"]
+  assert f32["floor_bytes_per_chip"] == share < f32["sent_bytes_per_chip"] < 1.25 * share
   assert x["dcn_seconds"] == pytest.approx(share * 8 / 50e9)
   flops = two["flops_per_token"] * two["tokens_per_step"] / 64
   assert x["compute_seconds_at_peak"] == pytest.approx(flops / 459e12)

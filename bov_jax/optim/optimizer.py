@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from bov_jax.kernels import polar
 from bov_jax.parallel import owners
 from bov_jax.parallel import sharding
+from bov_jax.parallel import state_layout
 
 MUON_BETA2 = 0.9
 
@@ -133,7 +134,9 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
   zero matrices to a multiple of the devices and split over them
   (`sharding.RULES["stack"]`): each device orthogonalises and updates whole matrices of
   its own, none repeats another's, and the updates go back to the parameters' layout
-  in one collective per stack (nanochat's distributed Muon).
+  in one collective per stack (nanochat's distributed Muon). Over several slices, where
+  the layout splits a stack's state across slices too, each slice takes its part of the
+  stack (parallel/owners.py) and none repeats another slice's.
   """
   direction = functools.partial(muon_direction, polar_dtype=polar_dtype, polar_gram=polar_gram)
   ortho = functools.partial(orthogonalise, polar_dtype=polar_dtype, polar_gram=polar_gram)
@@ -164,7 +167,7 @@ def muon(learning_rate, momentum, weight_decay, batched: bool = True,
       u_specs = {u_spec for _, _, u_spec in members}  # where the momentum step leaves them
       u_spec = u_specs.pop() if len(u_specs) == 1 else None
       members = [(k, tall) for k, tall, _ in members]
-      if u_spec is not None and owners.slice_split(u_spec):
+      if u_spec is not None and state_layout.slice_split(u_spec):
         across_slices(members, u_spec, p_spec, gs, bufs, bufs2, ps, lr, m, wd,
                       upd, new_bufs, new_bufs2)
         continue

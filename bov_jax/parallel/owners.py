@@ -25,11 +25,6 @@ REPLICAS = ("slice", "data")  # the axes the moves run over by hand; fsdp, tenso
 OWNER_AXES = ("slice", "data", "fsdp", "tensor")
 
 
-def slice_split(spec: P) -> bool:
-  """Whether an update spec (`state_layout.update_specs`) splits its share across slices."""
-  return any("slice" in sharding.axes_of(e) for e in spec)
-
-
 def _sizes():
   mesh = jax.sharding.get_abstract_mesh()
   return mesh, mesh.shape["slice"], math.prod(mesh.shape[a] for a in sharding.IN_SLICE)

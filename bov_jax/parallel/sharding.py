@@ -3,11 +3,12 @@
 Mesh axes: `slice` (data parallel across TPU slices, over the data-center network:
 `mesh.slices`), `data` (pure data parallel inside a slice), `fsdp` (data parallel with
 parameters and optimizer state split), `tensor` (within-layer model parallel). Only
-`slice` crosses slices (the outermost split of the devices, `make_mesh`); a step's one
-reduction of gradients is all that runs over it (training/step.py). Every
-parameter names its axes where the model makes it (`logical=`, model/gpt.py); RULES says
-where each goes. What runs over the mesh by hand (table lookups, per-shard sums) is in
-lookup.py and rowsum.py.
+`slice` crosses slices (the outermost split of the devices, `make_mesh`); what runs over
+it is a step's one reduction of gradients (training/step.py), whose Muon part goes on to
+the matrices' owners and comes back as updates (owners.py). Every parameter names its
+axes where the model makes it (`logical=`, model/gpt.py); RULES says where each goes.
+What runs over the mesh by hand (table lookups, per-shard sums, Muon's owners) is in
+lookup.py, rowsum.py and owners.py.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ RULES = {
     "batch": BATCH_AXES,  # activations' rows
     # The optimizer's stack of same-shaped matrices (optim.muon): split over every axis
     # of a slice, so each device orthogonalises whole matrices of its own (nanochat's
-    # distributed Muon; MaxText's sharding-aware Muon); every slice updates alike, so
-    # no parameter or update crosses slices.
+    # distributed Muon; MaxText's sharding-aware Muon). Over several slices a stack is
+    # first divided between the slices (owners.py).
     "stack": IN_SLICE,
 }
 

@@ -15,6 +15,7 @@ import functools
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from bov_jax.model import gpt as model_lib
 from bov_jax.optim import optimizer as optim
@@ -105,25 +106,48 @@ def memory_per_device(spec, num_iterations: int = 100) -> dict:
           "optimizer_bytes_per_device": state_layout.bytes_per_device(opt, opt_specs, mesh.shape)}
 
 
+def _shares(spec) -> tuple[dict, int, int, int]:
+  """(mesh sizes, the bytes of one chip's share of the gradients once reduced inside its
+  slice, and of that the part split across slices too (Muon's matrices,
+  `optim.splits_across_slices`): its bytes and its elements)."""
+  mesh, params, _, kept = _layout(spec)
+  in_slice = {**mesh.shape, "slice": 1}
+  share = state_layout.bytes_per_device(params, kept, in_slice)
+  pairs = [(x, s) for x, s in zip(jax.tree.leaves(params),
+                                  jax.tree.leaves(kept, is_leaf=lambda x: isinstance(x, P)))
+           if state_layout.slice_split(s)]
+  split = state_layout.bytes_per_device([x for x, _ in pairs], [s for _, s in pairs], in_slice)
+  elements = sum(state_layout.bytes_per_device([x], [s], in_slice) // x.dtype.itemsize
+                 for x, s in pairs)
+  return mesh.shape, share, split, elements
+
+
 def gradient_share_bytes(spec) -> int:
   """The bytes of one chip's share of a step's gradients once they are reduced inside its
-  slice (stored dtypes; the optimizer's share where optim.shard_optimizer splits it):
-  what the step all-reduces across slices, once (training/step.py)."""
-  mesh, params, _, kept = _layout(spec)
-  return state_layout.bytes_per_device(params, kept, {**mesh.shape, "slice": 1})
+  slice (stored dtypes; the optimizer's share where optim.shard_optimizer splits it): the
+  floor of what crosses slices is this share all-reduced once."""
+  return _shares(spec)[1]
 
 
 DCN_GBPS = 25.0  # a v5e host's data-center network, 2 x 100 Gbit/s, over its 8 chips
 
 
 def across_slices(spec, peak_flops: float | None = None, dcn_gbps: float = DCN_GBPS) -> dict:
-  """What a step sends between slices and how long that takes: each chip's gradient
-  share all-reduced across the slices (a ring sends 2 (s - 1) / s of it) at `dcn_gbps`
-  Gbit/s a chip, beside the step's compute at the chip's peak (the least it takes)."""
-  slices = sharding.mesh_sizes(spec.mesh, spec.n_devices)["slice"]
-  share = gradient_share_bytes(spec)
-  sent = 2 * (slices - 1) / slices * share
-  out = {"slices": slices, "gradient_share_bytes": share, "sent_bytes_per_chip": int(sent),
+  """What a step sends between slices and how long that takes at `dcn_gbps` Gbit/s a
+  chip, beside the step's compute at the chip's peak (the least it takes). The floor:
+  each chip's gradient share all-reduced across the S slices (a ring sends 2 (S-1)/S of
+  it). What the step sends (training/step.py, optim.muon): Adam's part of the share
+  all-reduced so; Muon's reduce-scattered ((S-1)/S of it), its momentum's rows sent to
+  the matrices' owners ((S-1)/S of a 1/S share, float32) and the updates gathered back
+  ((S-1)/S of the share in optim.muon_update_dtype)."""
+  sizes, share, split, elements = _shares(spec)
+  s = sizes["slice"]
+  floor = 2 * (s - 1) / s * share
+  update = np.dtype(spec.optim.update_dtype).itemsize
+  sent = (2 * (s - 1) / s * (share - split)
+          + (s - 1) / s * (split + 4 * elements / s + update * elements))
+  out = {"slices": s, "gradient_share_bytes": share, "floor_bytes_per_chip": int(floor),
+         "sent_bytes_per_chip": int(sent), "sent_vs_floor": round(sent / floor, 3),
          "dcn_gbps_per_chip": dcn_gbps, "dcn_seconds": sent * 8 / (dcn_gbps * 1e9)}
   if peak_flops:
     flops = flops_per_token(spec.model) * spec.train.batch_tokens / spec.n_devices

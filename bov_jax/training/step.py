@@ -36,9 +36,10 @@ def make_train_step(graphdef, tx, update_specs=None):
   accumulates its own rows' gradients and the replicas' sums are reduced once, after the
   loop (MaxText's utils/gradient_accumulation.py): inside each slice into the shares of
   `update_specs` (a PartitionSpec per parameter, `state_layout.update_specs`), then each
-  share summed across slices, so only a chip's own share crosses the network between
-  slices; the optimizer then updates each replica's share (every slice alike) and the
-  new parameters are gathered inside the slice. Without `update_specs`, all-reduced whole.
+  share summed across slices (reduce-scattered, where `update_specs` splits it across
+  slices too), so only a chip's own share crosses the network between slices; the
+  optimizer then updates each replica's share and the new parameters are gathered
+  (optim.muon: what each slice owns). Without `update_specs`, all-reduced whole.
   """
 
   def loss_fn(params, x, y, weight=None):
@@ -68,7 +69,8 @@ def make_train_step(graphdef, tx, update_specs=None):
   def data_parallel(params, inputs, targets, mesh):
     """accumulate() inside a shard_map over the replicas (`slice` x `data`): each
     replica's gradients stay its own through the loop, then one reduce-scatter (or
-    all-reduce) over the slice's replicas and one all-reduce of that share over slices."""
+    all-reduce) over the slice's replicas and one all-reduce (or reduce-scatter) of that
+    share over slices."""
     specs = (jax.tree.map(lambda _: P(), params) if update_specs is None else update_specs)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     dims = jax.tree.map(state_layout.data_dim, specs, is_leaf=is_spec)
