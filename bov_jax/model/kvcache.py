@@ -144,6 +144,44 @@ def _page_view(pool_NPE, pages_BM, K: int):
   return view.reshape(view.shape[0], -1, view.shape[-1])
 
 
+def gather_pages(cache: dict, pages_AM, K: int) -> dict:
+  """The sequences of page-table rows `pages_AM` [A, M] out of a paged cache, as a
+  contiguous cache of A sequences of M * page positions (`init`'s layout, "prev" and
+  "pos" left to the caller): several decode steps then read their pages once."""
+  def rows(pool_RNPE):
+    idx = (pages_AM[:, None, :] * K + jnp.arange(K)[None, :, None]).reshape(-1, pages_AM.shape[1])
+    view = pool_RNPE[:, idx]  # [R, A * K, M, page, E]
+    return view.reshape(*view.shape[:2], -1, view.shape[-1])
+
+  out = {"layers": jax.tree.map(rows, cache["layers"])}
+  if "ids" in cache:
+    out["ids"] = cache["ids"][pages_AM].reshape(pages_AM.shape[0], -1)
+  return out
+
+
+def scatter_pages(cache: dict, local: dict, pages_AM, start_A, T: int, K: int) -> dict:
+  """The T positions from `start_A` of each sequence of a contiguous cache (`local`,
+  gathered by `gather_pages` with the same table rows) written back into the paged
+  cache's pages: what the steps in between added. Positions no page of a row holds go
+  to page 0, as every paged write's do."""
+  N = start_A.shape[0] * K
+  pos_AT = start_A[:, None] + jnp.arange(T)[None, :]
+  pos_NT = jnp.repeat(pos_AT, K, axis=0)
+
+  def write(pool_RNPE, local_RNSE):
+    page, offset = _page_slots(pages_AM, start_A, T, pool_RNPE.shape[2])
+    rows = (page[:, None, :] * K + jnp.arange(K)[None, :, None]).reshape(N, T)
+    new = local_RNSE[:, jnp.arange(N)[:, None], pos_NT]  # [R, N, T, E]
+    return pool_RNPE.at[:, rows, jnp.repeat(offset, K, axis=0)].set(new)
+
+  out = dict(cache, layers=jax.tree.map(write, cache["layers"], local["layers"]))
+  if "ids" in cache:
+    page, offset = _page_slots(pages_AM, start_A, T, cache["ids"].shape[1])
+    new = local["ids"][jnp.arange(start_A.shape[0])[:, None], pos_AT]
+    out["ids"] = cache["ids"].at[page, offset].set(new)
+  return out
+
+
 def by_layer(spec, cache: dict) -> list[dict]:
   """Layer i's part of the cache, {"k": [B * K, S, E], "v": ... where it keeps values},
   for i in order (for reading a cache; the model reads its stages whole)."""

@@ -27,6 +27,9 @@ from bov_jax.serving import pages as pages_lib
 from bov_jax.serving import programs as programs_lib
 
 
+DECODE_STEPS = 8  # decode steps a device call runs (docs/performance.md, "Serving")
+
+
 class QueueFull(Exception):
   """The queue holds `max_queue` requests: try again later."""
 
@@ -60,6 +63,7 @@ class Limits:
   num_pages: int
   context: int
   max_queue: int
+  decode_steps: int = 1  # decode steps a device call runs (programs.py)
 
   @property
   def max_pages(self) -> int:
@@ -67,12 +71,12 @@ class Limits:
 
 
 def limits_for(model, context: int, slots: int, page_size: int, cache_bytes: int | None,
-               max_queue: int) -> Limits:
+               max_queue: int, decode_steps: int = DECODE_STEPS) -> Limits:
   """The shapes for a byte budget (default: every slot's whole context); page 0 is the
   one that no sequence holds."""
-  if slots < 1 or page_size < 1 or max_queue < 1:
-    raise ValueError(f"--slots={slots}, --page_size={page_size} and --max_queue={max_queue} "
-                     "must be positive")
+  if slots < 1 or page_size < 1 or max_queue < 1 or decode_steps < 1:
+    raise ValueError(f"--slots={slots}, --page_size={page_size}, --max_queue={max_queue} "
+                     f"and --decode_steps={decode_steps} must be positive")
   per_page = kvcache.page_bytes(model, page_size)
   if cache_bytes is None:
     num_pages = slots * -(-context // page_size) + 1
@@ -81,7 +85,7 @@ def limits_for(model, context: int, slots: int, page_size: int, cache_bytes: int
     if num_pages < 2:
       raise ValueError(f"--cache_bytes={cache_bytes} holds {num_pages} page(s) of {per_page} "
                        "bytes; it needs at least 2")
-  return Limits(slots, page_size, int(num_pages), context, max_queue)
+  return Limits(slots, page_size, int(num_pages), context, max_queue, decode_steps)
 
 
 class Engine:
@@ -91,7 +95,8 @@ class Engine:
     self.pool = pages_lib.PagePool(limits.num_pages, limits.page_size, limits.slots,
                                    limits.max_pages)
     self.programs = programs_lib.Programs(graphdef, params, limits.slots, limits.num_pages,
-                                          limits.page_size, limits.max_pages)
+                                          limits.page_size, limits.max_pages,
+                                          steps=limits.decode_steps)
     self.sampling = programs_lib.Sampling(limits.slots)
     self.prefill_lengths = sorted(prefill_lengths or _buckets(limits.context,
                                                               limits.page_size))
@@ -235,15 +240,18 @@ class Engine:
           self._emit(slot, request, token)
 
   def _step(self) -> None:
-    """Pages for every active slot's next position (the newest gives its own back where
-    none are free), then one decode step of all slots."""
+    """Pages for every active slot's next positions, as many as a decode call runs and
+    its request can still use (the newest gives its own back where none are free), then
+    one decode call of all slots; a slot's tokens after its end are dropped."""
+    steps = self.limits.decode_steps
     for slot in sorted((s for s, r in enumerate(self.slots) if r is not None),
                        key=lambda s: self.slots[s].order):
       request = self.slots[slot]
       if request is None:
         continue
       position = len(request.prompt) + len(request.generated) - 1
-      while not self.pool.grow(slot, position + 1):
+      last = min(len(request.prompt) + request.max_tokens - 1, self.limits.context)
+      while not self.pool.grow(slot, max(position + 1, min(position + steps, last))):
         self._preempt()
         if self.slots[slot] is None:
           break
@@ -254,13 +262,16 @@ class Engine:
     held = max(self.pool.held[s] for s in np.flatnonzero(active))
     out = self.programs.decode(self.tokens, active, self.pool.table, self.sampling.all(), index,
                                held)
-    with self.lock:
-      self.recent.append((time.perf_counter(), int(active.sum())))
-      self.counts["decode_steps"] += 1
-      self.counts["peak_active"] = max(self.counts["peak_active"], int(active.sum()))
+    emitted = self.counts["tokens"]
     for slot, request in enumerate(self.slots):
-      if request is not None:
-        self._emit(slot, request, int(out[slot]))
+      for k in range(steps):
+        if self.slots[slot] is not request or request is None:
+          break
+        self._emit(slot, request, int(out[slot, k]))
+    with self.lock:
+      self.recent.append((time.perf_counter(), self.counts["tokens"] - emitted))
+      self.counts["decode_steps"] += steps
+      self.counts["peak_active"] = max(self.counts["peak_active"], int(active.sum()))
 
   def _preempt(self) -> None:
     slot = max((s for s, r in enumerate(self.slots) if r is not None),

@@ -1,8 +1,10 @@
 """The engine's two device programs over the paged cache, of fixed shapes so nothing
 compiles while serving: prompts prefilled into their slots (a program per padded prompt
 length and per number of prompts, 1, 2, 4 or 8: a prefill call costs about the same for
-one prompt as for several), and one decode step of the active slots. Each chooses its
-next token on the device with the slot's own sampling settings.
+one prompt as for several), and a few decode steps of the active slots (`steps`, as
+static decoding's chunks and vLLM's multi-step scheduling: a step's pages are gathered
+once for all of them, and the host waits once). Each chooses its next token on the
+device with the slot's own sampling settings.
 
 A decode step runs on a bucket of rows and of pages, not on every slot's whole context:
 the active slots gathered into the smallest power-of-two row count that holds them, each
@@ -78,11 +80,13 @@ class Programs:
   """The model's parameters and paged cache on the device, and the programs over them."""
 
   def __init__(self, graphdef, params, slots: int, num_pages: int, page_size: int,
-               max_pages: int, cache: dict | None = None):
+               max_pages: int, cache: dict | None = None, steps: int = 1):
     """`cache`: one of these shapes to start from (default: an empty one, allocated);
-    ShapeDtypeStructs with `params` as ShapeDtypeStructs, to lower the programs only."""
+    ShapeDtypeStructs with `params` as ShapeDtypeStructs, to lower the programs only.
+    `steps`: decode steps a decode call runs."""
     self.graphdef, self.params = graphdef, params
     self.slots, self.page_size, self.max_pages = slots, page_size, max_pages
+    self.steps = steps
     model = nnx.merge(graphdef, params)
     self.sampler, self.vocab_size = model.spec.sampler, model.spec.vocab_size
     if cache is None:  # on the parameters' devices
@@ -122,17 +126,29 @@ class Programs:
 
   def _decode_fn(self, params, cache, pages_SM, tokens_S, active_S, temperature, top_k, top_p,
                  seed, index_S, rows_A, *, pages):
-    """One step of the slots `rows_A` (the active ones, then inactive ones to fill the
-    bucket), each reading its first `pages` pages."""
+    """`self.steps` steps of the slots `rows_A` (the active ones, then inactive ones to
+    fill the bucket), each reading its first `pages` pages: gathered once into a
+    contiguous cache, decoded over, what the steps added written back. Tokens [S, steps]."""
     model = nnx.merge(self.graphdef, params)
-    some = dict(cache, pages=pages_SM[rows_A, :pages], prev=cache["prev"][rows_A],
-                pos=jnp.where(active_S[rows_A], cache["pos"][rows_A], 0))
-    logits, some = model(tokens_S[rows_A][:, None], some)
-    cache = dict(some, pages=pages_SM, prev=cache["prev"].at[rows_A].set(some["prev"]),
-                 pos=cache["pos"].at[rows_A].set(some["pos"]))
-    out = choose(logits[:, 0], temperature[rows_A], top_k[rows_A], top_p[rows_A], seed[rows_A],
-                 index_S[rows_A], self.sampler)
-    return jnp.zeros_like(tokens_S).at[rows_A].set(out), cache
+    table_AM = pages_SM[rows_A, :pages]
+    start_A = jnp.where(active_S[rows_A], cache["pos"][rows_A], 0)
+    local = dict(kvcache.gather_pages(cache, table_AM, model.spec.n_kv_head),
+                 prev=cache["prev"][rows_A], pos=start_A)
+    settings = (temperature[rows_A], top_k[rows_A], top_p[rows_A], seed[rows_A])
+
+    def step(carry, i):
+      local, token_A = carry
+      logits, local = model(token_A[:, None], local)
+      token_A = choose(logits[:, 0], *settings, index_S[rows_A] + i, self.sampler)
+      return (local, token_A), token_A
+
+    (local, _), out_KA = jax.lax.scan(step, (local, tokens_S[rows_A]), jnp.arange(self.steps))
+    cache = kvcache.scatter_pages(cache, local, table_AM, start_A, self.steps,
+                                  model.spec.n_kv_head)
+    cache = dict(cache, prev=cache["prev"].at[rows_A].set(local["prev"]),
+                 pos=cache["pos"].at[rows_A].set(local["pos"]))
+    out_SK = jnp.zeros((tokens_S.shape[0], self.steps), tokens_S.dtype)
+    return out_SK.at[rows_A].set(out_KA.T), cache
 
   def prefill(self, prompts: list[tuple[int, list[int], int]], padded: int, pages,
               sampling: tuple) -> list[int]:
@@ -154,9 +170,10 @@ class Programs:
 
   def decode(self, tokens, active, pages, sampling: tuple, index, held: int | None = None,
              rows: int | None = None) -> np.ndarray:
-    """Every slot's next token (0 where inactive), each active slot's input token run at
-    its position; `held`: the most pages an active slot holds (default: all). `rows` and
-    `held` pick the bucket (default: the smallest that holds them)."""
+    """Every slot's next `steps` tokens [slots, steps] (0 where inactive), each active
+    slot's input token run at its position, then each token it draws; `held`: the most
+    pages an active slot holds (default: all), enough for the steps' positions. `rows`
+    and `held` pick the bucket (default: the smallest that holds them)."""
     active = np.asarray(active, bool)
     on = np.flatnonzero(active)
     size = rows or next(n for n in self.row_buckets if n >= len(on))
