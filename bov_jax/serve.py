@@ -37,6 +37,9 @@ _CACHE_BYTES = flags.DEFINE_integer("cache_bytes", None, "the paged cache's budg
                                     "(default: every slot's whole context)")
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "requests that may wait for a slot; "
                                   "more get 429")
+_DECODE_STEPS = flags.DEFINE_integer("decode_steps", load.engine_lib.DECODE_STEPS,
+                                     "decode steps a device call runs "
+                                     "(new requests join between calls)")
 _DRAIN = flags.DEFINE_integer("drain_s", 30, "on SIGTERM, how long requests in flight may "
                               "take to finish")
 
@@ -62,7 +65,7 @@ def main(argv) -> int:
 
   try:
     engine, name = load.engine(_WORKDIR.value, _SLOTS.value, _PAGE.value, _CACHE_BYTES.value,
-                               _MAX_QUEUE.value)
+                               _MAX_QUEUE.value, _DECODE_STEPS.value)
   except (ValueError, OSError) as e:
     return cli.failed(e)
   from bov_jax.serving import server  # FastAPI: the serve extra, known to be there now

@@ -308,3 +308,42 @@ def test_bank_layer_attends_block_by_block_as_whole():
 def test_a_prompt_the_context_cannot_continue_is_named():
   assert inference.prompt_too_long(63, 64) is None
   assert inference.prompt_too_long(64, 64) == "sample.prompt is 64 tokens, the context is 64"
+
+
+def test_pages_gathered_as_a_contiguous_cache_and_written_back():
+  """gather_pages reads each table row's pages as one contiguous sequence; scatter_pages
+  writes the T positions from each start back into the page holding each, page 0 where
+  the row's table holds none, and leaves every other position as it was."""
+  model = _shapes("gpt_base_v_from_value_emb_learn")  # a bank layer: keys only there, ids
+  K, page = model.spec.n_kv_head, 4
+  rng = np.random.default_rng(0)
+  pool = kvcache.init_paged(model, slots=2, num_pages=8, page_size=page, max_pages=3)
+  pool = jax.tree.map(lambda x: jnp.asarray(rng.integers(0, 100, x.shape).astype(x.dtype)), pool)
+  table = jnp.asarray([[3, 5, 0], [6, 2, 7]], jnp.int32)  # row 0 holds 2 pages, row 1 three
+  local = kvcache.gather_pages(pool, table, K)
+  k_pool, k_local = pool["layers"][0][0]["k"], local["layers"][0][0]["k"]
+  assert k_local.shape[2] == 3 * page
+  np.testing.assert_array_equal(k_local[:, K * 1:K * 2, page:2 * page], k_pool[:, 2 * K:3 * K])
+  np.testing.assert_array_equal(local["ids"][0, :page], pool["ids"][3])
+  start, T = jnp.asarray([6, 1], jnp.int32), 3  # row 0: positions 6, 7 (page 5) and 8 (none)
+  new = jax.tree.map(lambda x: x + 1000, local)
+  out = kvcache.scatter_pages(pool, new, table, start, T, K)
+  tables = [[3, 5, 0], [6, 2, 7]]
+  for name in ["ids"] + list(range(len(pool["layers"]))):
+    if name == "ids":  # [pages, page]
+      got, was, add = (np.asarray(x["ids"]) for x in (out, pool, new))
+    else:  # [R, pages * K, page, E], as [pages, R, K, page, E]
+      got, was, add = (np.asarray(x["layers"][name][0]["k"]) for x in (out, pool, new))
+      split = lambda x: np.moveaxis(x.reshape(x.shape[0], -1, K, *x.shape[2:]), 1, 0)  # noqa
+      got, was = split(got), split(was)
+      add = np.moveaxis(add.reshape(add.shape[0], -1, K, *add.shape[2:]), 1, 0)  # [A, R, K, S, E]
+    want = was.copy()
+    for row, s in enumerate([6, 1]):
+      for t in range(s, s + T):
+        p = tables[row][t // page]
+        if p:  # page 0 takes what no page holds: not checked
+          if name == "ids":
+            want[p, t % page] = add[row, t]
+          else:
+            want[p, :, :, t % page] = add[row, :, :, t]
+    np.testing.assert_array_equal(got[1:], want[1:])

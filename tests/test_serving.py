@@ -68,16 +68,21 @@ def _sample_tokens(workdir, ids, n):
   return inference.generate_cached(graphdef, params, ids, n, spec.model.sequence_len)
 
 
-@pytest.mark.parametrize("budget_pages", [None, 9])
-def test_greedy_tokens_do_not_depend_on_what_else_is_in_flight(tiny_run, budget_pages):
+@pytest.mark.parametrize("budget_pages, decode_steps", [(None, 8), (9, 8), (None, 1), (9, 3)])
+def test_greedy_tokens_do_not_depend_on_what_else_is_in_flight(tiny_run, budget_pages,
+                                                               decode_steps):
   """Six prompts of different lengths decoded together in four slots (float32), equal
   to --mode=sample's tokens for each alone; the first four are prefilled in one call.
   With a budget of 8 pages (9 with the one no sequence holds) the sequences outgrow the
-  cache and the newest are sent back to the queue and prefilled again: the same tokens."""
-  engine, _ = load.engine(tiny_run, slots=4, page_size=16, cache_bytes=None, max_queue=16)
+  cache and the newest are sent back to the queue and prefilled again: the same tokens.
+  A decode call of several steps ends most sequences between its steps: what it draws
+  past their ends is dropped."""
+  engine, _ = load.engine(tiny_run, slots=4, page_size=16, cache_bytes=None, max_queue=16,
+                          decode_steps=decode_steps)
   if budget_pages:
     engine, _ = load.engine(tiny_run, slots=4, page_size=16, max_queue=16,
-                            cache_bytes=budget_pages * _page_bytes(engine))
+                            cache_bytes=budget_pages * _page_bytes(engine),
+                            decode_steps=decode_steps)
     assert engine.limits.num_pages == budget_pages
   engine.start()
   compiled = [f._cache_size() for f in (engine.programs._prefill, engine.programs._decode)]

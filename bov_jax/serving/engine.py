@@ -1,8 +1,9 @@
 """A long-lived engine: the model held once, requests decoded by continuous batching.
 
-Requests wait in a queue. Between decode steps the engine prefills waiting requests into
-free slots; then one jitted decode step advances every active slot; a sequence that
-finishes (or whose client went away) frees its slot and its pages at once. The cache is
+Requests wait in a queue. Between decode calls the engine prefills waiting requests into
+free slots; then one jitted decode call advances every active slot by `decode_steps`
+tokens (what a slot draws past its end is dropped); a sequence that finishes (or whose
+client went away) frees its slot and its pages when the call returns. The cache is
 paged (pages.py): a pool sized from a byte budget, pages taken as a sequence grows and
 returned when it ends; a bank layer's pages hold keys only, so a BoV model fits more
 sequences in the same bytes. When a growing sequence finds no free page, the newest

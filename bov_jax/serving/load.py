@@ -17,7 +17,8 @@ from bov_jax.store import rundir
 
 
 def engine(workdir: str, slots: int, page_size: int, cache_bytes: int | None,
-           max_queue: int) -> tuple[engine_lib.Engine, str]:
+           max_queue: int, decode_steps: int = engine_lib.DECODE_STEPS
+           ) -> tuple[engine_lib.Engine, str]:
   """(the engine, not started; the model's name: the folder's)."""
   spec = spec_lib.resolve(rundir.config_of(workdir), n_devices=1)
   mesh = sharding.make_mesh(spec.mesh, jax.devices()[:1])
@@ -26,7 +27,7 @@ def engine(workdir: str, slots: int, page_size: int, cache_bytes: int | None,
     _, graphdef, params = params_lib.restore(spec, workdir, mesh)
   model = nnx.merge(graphdef, params)
   limits = engine_lib.limits_for(model, spec.model.sequence_len, slots, page_size, cache_bytes,
-                                 max_queue)
+                                 max_queue, decode_steps)
   name = os.path.basename(os.path.normpath(workdir)) or "bov"
   return engine_lib.Engine(graphdef, params, tok, limits), name
 
