@@ -114,6 +114,14 @@ def _page_bytes(engine) -> int:
   return kvcache.page_bytes(model, engine.limits.page_size)
 
 
+def test_engine_settings_out_of_range_are_named(tiny_run):
+  for kw, says in [(dict(slots=0), "--slots=0"), (dict(decode_steps=0), "--decode_steps=0"),
+                   (dict(cache_bytes=10), "--cache_bytes=10 holds 0 page(s)")]:
+    args = dict(slots=2, page_size=16, cache_bytes=None, max_queue=4, **kw)
+    with pytest.raises(ValueError, match=re.escape(says)):
+      load.engine(tiny_run, **args)
+
+
 def test_bank_layers_pages_hold_keys_only(tiny_run):
   """The tiny run's bank layer (the second of two) keeps no values: a page holds three
   buffers of 2 kv heads x 32 x 16 positions in float32, not four, and the ids once."""

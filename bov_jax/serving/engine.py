@@ -28,7 +28,7 @@ from bov_jax.serving import pages as pages_lib
 from bov_jax.serving import programs as programs_lib
 
 
-DECODE_STEPS = 8  # decode steps a device call runs (docs/performance.md, "Serving")
+DECODE_STEPS = 16  # decode steps a device call runs (docs/performance.md, "Serving")
 
 
 class QueueFull(Exception):
