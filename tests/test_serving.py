@@ -117,7 +117,7 @@ def _page_bytes(engine) -> int:
 def test_engine_settings_out_of_range_are_named(tiny_run):
   for kw, says in [(dict(slots=0), "--slots=0"), (dict(decode_steps=0), "--decode_steps=0"),
                    (dict(cache_bytes=10), "--cache_bytes=10 holds 0 page(s)")]:
-    args = dict(slots=2, page_size=16, cache_bytes=None, max_queue=4, **kw)
+    args = {**dict(slots=2, page_size=16, cache_bytes=None, max_queue=4), **kw}
     with pytest.raises(ValueError, match=re.escape(says)):
       load.engine(tiny_run, **args)
 

@@ -127,14 +127,23 @@ class Programs:
   def _decode_fn(self, params, cache, pages_SM, tokens_S, active_S, temperature, top_k, top_p,
                  seed, index_S, rows_A, *, pages):
     """`self.steps` steps of the slots `rows_A` (the active ones, then inactive ones to
-    fill the bucket), each reading its first `pages` pages: gathered once into a
-    contiguous cache, decoded over, what the steps added written back. Tokens [S, steps]."""
+    fill the bucket), each reading its first `pages` pages. Tokens [S, steps]. One step
+    reads the pages where they lie; several gather them once into a contiguous cache
+    (a copy of the rows' pages, held for the call), decode over it and write back what
+    they added."""
     model = nnx.merge(self.graphdef, params)
     table_AM = pages_SM[rows_A, :pages]
     start_A = jnp.where(active_S[rows_A], cache["pos"][rows_A], 0)
+    settings = (temperature[rows_A], top_k[rows_A], top_p[rows_A], seed[rows_A])
+    if self.steps == 1:  # read in place, a layer's pages at a time: no copy of the cache
+      some = dict(cache, pages=table_AM, prev=cache["prev"][rows_A], pos=start_A)
+      logits, some = model(tokens_S[rows_A][:, None], some)
+      cache = dict(some, pages=pages_SM, prev=cache["prev"].at[rows_A].set(some["prev"]),
+                   pos=cache["pos"].at[rows_A].set(some["pos"]))
+      out = choose(logits[:, 0], *settings, index_S[rows_A], self.sampler)
+      return jnp.zeros((tokens_S.shape[0], 1), tokens_S.dtype).at[rows_A, 0].set(out), cache
     local = dict(kvcache.gather_pages(cache, table_AM, model.spec.n_kv_head),
                  prev=cache["prev"][rows_A], pos=start_A)
-    settings = (temperature[rows_A], top_k[rows_A], top_p[rows_A], seed[rows_A])
 
     def step(carry, i):
       local, token_A = carry
