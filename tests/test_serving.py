@@ -68,15 +68,21 @@ def _sample_tokens(workdir, ids, n):
   return inference.generate_cached(graphdef, params, ids, n, spec.model.sequence_len)
 
 
-@pytest.mark.parametrize("budget_pages, decode_steps", [(None, 8), (9, 8), (None, 1), (9, 3)])
+@pytest.mark.parametrize("budget_pages, decode_steps, apart",
+                         [(None, 8, False), (9, 8, False), (None, 1, False), (9, 3, True)])
 def test_greedy_tokens_do_not_depend_on_what_else_is_in_flight(tiny_run, budget_pages,
-                                                               decode_steps):
+                                                               decode_steps, apart,
+                                                               monkeypatch):
   """Six prompts of different lengths decoded together in four slots (float32), equal
   to --mode=sample's tokens for each alone; the first four are prefilled in one call.
   With a budget of 8 pages (9 with the one no sequence holds) the sequences outgrow the
   cache and the newest are sent back to the queue and prefilled again: the same tokens.
   A decode call of several steps ends most sequences between its steps: what it draws
-  past their ends is dropped."""
+  past their ends is dropped. Decoded in two calls a step (the shortest sequence apart
+  from the others, as `Engine._groups` splits them): the same tokens."""
+  if apart:
+    monkeypatch.setattr(engine_lib.Engine, "_groups", lambda self, slots: (
+        [list(slots[:1]), list(slots[1:])] if len(slots) > 1 else [list(slots)]))
   engine, _ = load.engine(tiny_run, slots=4, page_size=16, cache_bytes=None, max_queue=16,
                           decode_steps=decode_steps)
   if budget_pages:
@@ -94,6 +100,8 @@ def test_greedy_tokens_do_not_depend_on_what_else_is_in_flight(tiny_run, budget_
     engine.stop()
   # every program compiled at start-up: none while serving
   assert [f._cache_size() for f in (engine.programs._prefill, engine.programs._decode)] == compiled
+  if apart:
+    assert engine.counts["decode_calls"] > engine.counts["decode_steps"] / decode_steps
   if budget_pages:
     assert engine.counts["preemptions"] > 0
   else:  # four prompts of one padded length together, then the two that waited
@@ -112,6 +120,22 @@ def _page_bytes(engine) -> int:
   from bov_jax.model import kvcache
   model = nnx.merge(engine.programs.graphdef, engine.programs.params)
   return kvcache.page_bytes(model, engine.limits.page_size)
+
+
+def test_short_sequences_are_decoded_apart_where_that_reads_fewer_pages(tiny_run):
+  """32 slots of 16 pages of 4 positions (row buckets of 8, 16, 32; page spans of 4, 8,
+  16): 16 sequences of 2 pages and 16 of 16 go in two calls (16 x 4 + 16 x 16 pages and
+  two calls' own cost, against 32 x 16); 30 of 16 pages and 2 of 2 in one (32 x 16
+  against 8 x 4 + 32 x 16)."""
+  engine, _ = load.engine(tiny_run, slots=32, page_size=4, cache_bytes=None, max_queue=4)
+  assert (engine.programs.row_buckets, engine.programs.page_buckets) == ([8, 16, 32],
+                                                                        [4, 8, 16])
+  held = engine.pool.held
+  held[:16], held[16:] = [2] * 16, [16] * 16
+  groups = engine._groups(np.arange(32))
+  assert [sorted(g) for g in groups] == [list(range(16)), list(range(16, 32))]
+  held[:2], held[2:] = [2] * 2, [16] * 30
+  assert [sorted(g) for g in engine._groups(np.arange(32))] == [list(range(32))]
 
 
 def test_engine_settings_out_of_range_are_named(tiny_run):

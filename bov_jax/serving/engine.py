@@ -31,6 +31,9 @@ from bov_jax.serving import programs as programs_lib
 DECODE_STEPS = 16  # decode steps a device call runs (docs/performance.md, "Serving")
 
 
+CALL_PAGES = 64  # what a decode call costs beyond its rows x pages, in those units (CPU)
+
+
 class QueueFull(Exception):
   """The queue holds `max_queue` requests: try again later."""
 
@@ -260,9 +263,14 @@ class Engine:
     if not active.any():
       return
     index = np.asarray([len(r.generated) if r else 0 for r in self.slots], np.int32)
-    held = max(self.pool.held[s] for s in np.flatnonzero(active))
-    out = self.programs.decode(self.tokens, active, self.pool.table, self.sampling.all(), index,
-                               held)
+    out = np.zeros((self.limits.slots, steps), np.int32)
+    for group in self._groups(np.flatnonzero(active)):
+      self.counts["decode_calls"] += 1
+      mask = np.zeros_like(active)
+      mask[group] = True
+      held = max(self.pool.held[s] for s in group)
+      out[group] = self.programs.decode(self.tokens, mask, self.pool.table, self.sampling.all(),
+                                        index, held)[group]
     emitted = self.counts["tokens"]
     for slot, request in enumerate(self.slots):
       for k in range(steps):
@@ -273,6 +281,25 @@ class Engine:
       self.recent.append((time.perf_counter(), self.counts["tokens"] - emitted))
       self.counts["decode_steps"] += steps
       self.counts["peak_active"] = max(self.counts["peak_active"], int(active.sum()))
+
+  def _groups(self, slots) -> list:
+    """The active slots in one decode call, or in two where that reads fewer pages: a
+    call's rows all read as many pages as its longest holds (its bucket), so the short
+    sequences go apart from the long ones when the pages saved outweigh a call's own
+    cost (CALL_PAGES: the bucket-pages a call costs on its own, measured on a CPU)."""
+    by_held = sorted(slots, key=lambda s: self.pool.held[s])
+    rows, spans = self.programs.row_buckets, self.programs.page_buckets
+
+    def cost(group):
+      n = next(b for b in rows if b >= len(group))
+      return CALL_PAGES + n * next(b for b in spans if b >= self.pool.held[group[-1]])
+
+    best, split = cost(by_held), None
+    for i in range(1, len(by_held)):
+      c = cost(by_held[:i]) + cost(by_held[i:])
+      if c < best:
+        best, split = c, i
+    return [by_held] if split is None else [by_held[:split], by_held[split:]]
 
   def _preempt(self) -> None:
     slot = max((s for s, r in enumerate(self.slots) if r is not None),

@@ -132,14 +132,17 @@ class Programs:
     (a copy of the rows' pages, held for the call), decode over it and write back what
     they added."""
     model = nnx.merge(self.graphdef, params)
-    table_AM = pages_SM[rows_A, :pages]
-    start_A = jnp.where(active_S[rows_A], cache["pos"][rows_A], 0)
+    on_A = active_S[rows_A]  # rows that fill the bucket write page 0 and keep their state
+    table_AM = jnp.where(on_A[:, None], pages_SM[rows_A, :pages], 0)
+    start_A = jnp.where(on_A, cache["pos"][rows_A], 0)
+    keep = lambda old, new: jnp.where(on_A.reshape(-1, *[1] * (new.ndim - 1)), new, old)  # noqa
     settings = (temperature[rows_A], top_k[rows_A], top_p[rows_A], seed[rows_A])
     if self.steps == 1:  # read in place, a layer's pages at a time: no copy of the cache
       some = dict(cache, pages=table_AM, prev=cache["prev"][rows_A], pos=start_A)
       logits, some = model(tokens_S[rows_A][:, None], some)
-      cache = dict(some, pages=pages_SM, prev=cache["prev"].at[rows_A].set(some["prev"]),
-                   pos=cache["pos"].at[rows_A].set(some["pos"]))
+      cache = dict(some, pages=pages_SM,
+                   prev=cache["prev"].at[rows_A].set(keep(cache["prev"][rows_A], some["prev"])),
+                   pos=cache["pos"].at[rows_A].set(keep(cache["pos"][rows_A], some["pos"])))
       out = choose(logits[:, 0], *settings, index_S[rows_A], self.sampler)
       return jnp.zeros((tokens_S.shape[0], 1), tokens_S.dtype).at[rows_A, 0].set(out), cache
     local = dict(kvcache.gather_pages(cache, table_AM, model.spec.n_kv_head),
@@ -154,8 +157,9 @@ class Programs:
     (local, _), out_KA = jax.lax.scan(step, (local, tokens_S[rows_A]), jnp.arange(self.steps))
     cache = kvcache.scatter_pages(cache, local, table_AM, start_A, self.steps,
                                   model.spec.n_kv_head)
-    cache = dict(cache, prev=cache["prev"].at[rows_A].set(local["prev"]),
-                 pos=cache["pos"].at[rows_A].set(local["pos"]))
+    cache = dict(cache,
+                 prev=cache["prev"].at[rows_A].set(keep(cache["prev"][rows_A], local["prev"])),
+                 pos=cache["pos"].at[rows_A].set(keep(cache["pos"][rows_A], local["pos"])))
     out_SK = jnp.zeros((tokens_S.shape[0], self.steps), tokens_S.dtype)
     return out_SK.at[rows_A].set(out_KA.T), cache
 
