@@ -1,6 +1,5 @@
 """Muon's stacks moved to their owners across slices and back (parallel/owners.py)."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding

@@ -27,7 +27,6 @@ from bov_jax.model import kvcache
 from bov_jax.serving import pages as pages_lib
 from bov_jax.serving import programs as programs_lib
 
-
 DECODE_STEPS = 16  # decode steps a device call runs (docs/performance.md, "Serving")
 
 
