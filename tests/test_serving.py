@@ -122,20 +122,28 @@ def _page_bytes(engine) -> int:
   return kvcache.page_bytes(model, engine.limits.page_size)
 
 
-def test_short_sequences_are_decoded_apart_where_that_reads_fewer_pages(tiny_run):
+def test_decode_calls_are_planned_from_their_timed_costs(tiny_run):
   """32 slots of 16 pages of 4 positions (row buckets of 8, 16, 32; page spans of 4, 8,
-  16): 16 sequences of 2 pages and 16 of 16 go in two calls (16 x 4 + 16 x 16 pages and
-  two calls' own cost, against 32 x 16); 30 of 16 pages and 2 of 2 in one (32 x 16
-  against 8 x 4 + 32 x 16)."""
+  16), each call costing 1 + rows x span / 64 (a call's own cost, then its pages):
+  16 sequences of 2 pages and 16 of 16 go in two calls; 30 of 16 pages and 2 of 2 in
+  one. Where a call of 32 rows costs more than two of 16 (a CPU's caches outgrown), 32
+  sequences of one length go in two calls of 16. Not timed yet: one call."""
   engine, _ = load.engine(tiny_run, slots=32, page_size=4, cache_bytes=None, max_queue=4)
   assert (engine.programs.row_buckets, engine.programs.page_buckets) == ([8, 16, 32],
                                                                         [4, 8, 16])
   held = engine.pool.held
   held[:16], held[16:] = [2] * 16, [16] * 16
+  assert [sorted(g) for g in engine._groups(np.arange(32))] == [list(range(32))]
+  buckets = [(r, s) for r in (8, 16, 32) for s in (4, 8, 16)]
+  engine.call_seconds = {(r, s): 1 + r * s / 64 for r, s in buckets}
   groups = engine._groups(np.arange(32))
   assert [sorted(g) for g in groups] == [list(range(16)), list(range(16, 32))]
   held[:2], held[2:] = [2] * 2, [16] * 30
   assert [sorted(g) for g in engine._groups(np.arange(32))] == [list(range(32))]
+  held[:] = [8] * 32
+  assert len(engine._groups(np.arange(32))) == 1
+  engine.call_seconds[(32, 8)] = 2 * engine.call_seconds[(16, 8)] + 0.1
+  assert [len(g) for g in engine._groups(np.arange(32))] == [16, 16]
 
 
 def test_engine_settings_out_of_range_are_named(tiny_run):

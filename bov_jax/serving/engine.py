@@ -30,9 +30,6 @@ from bov_jax.serving import programs as programs_lib
 DECODE_STEPS = 16  # decode steps a device call runs (docs/performance.md, "Serving")
 
 
-CALL_PAGES = 64  # what a decode call costs beyond its rows x pages, in those units (CPU)
-
-
 class QueueFull(Exception):
   """The queue holds `max_queue` requests: try again later."""
 
@@ -111,6 +108,7 @@ class Engine:
     self.admitted = itertools.count()
     self.recent = collections.deque()  # (time, tokens) of the last decode steps
     self.counts = collections.Counter()  # requests, tokens, preemptions
+    self.call_seconds = None  # {(rows, span): seconds} of a decode call, timed by warm()
     self.ttft: collections.deque[float] = collections.deque(maxlen=4096)
 
   # -- the API's side ----------------------------------------------------------------
@@ -181,6 +179,7 @@ class Engine:
       for rows in self.programs.prefill_rows:
         self.programs.prefill([(0, [0], 0)] * rows, length, table, self.sampling.all())
     self.programs.warm(table)
+    self.call_seconds = self.programs.time_decode(self.limits.num_pages)
 
   # -- the engine's thread -------------------------------------------------------------
 
@@ -282,23 +281,29 @@ class Engine:
       self.counts["peak_active"] = max(self.counts["peak_active"], int(active.sum()))
 
   def _groups(self, slots) -> list:
-    """The active slots in one decode call, or in two where that reads fewer pages: a
-    call's rows all read as many pages as its longest holds (its bucket), so the short
-    sequences go apart from the long ones when the pages saved outweigh a call's own
-    cost (CALL_PAGES: the bucket-pages a call costs on its own, measured on a CPU)."""
+    """The active slots split into the decode calls that take the least time together,
+    by the calls' timed costs (`call_seconds`): a call's rows all read as many pages as
+    its longest holds (its bucket), so short sequences may go apart from long ones, and
+    where a large call costs more than two halves (a CPU's caches outgrown) it is split.
+    Calls take runs of the slots sorted by pages held, cut where a bucket's span changes
+    or at a multiple of the smallest row bucket."""
     by_held = sorted(slots, key=lambda s: self.pool.held[s])
+    if self.call_seconds is None:  # not timed yet: one call
+      return [by_held]
     rows, spans = self.programs.row_buckets, self.programs.page_buckets
+    span = [next(b for b in spans if b >= self.pool.held[s]) for s in by_held]
+    n = len(by_held)
+    cuts = sorted({0, n} | set(range(rows[0], n, rows[0]))
+                  | {i for i in range(1, n) if span[i] != span[i - 1]})
 
-    def cost(group):
-      n = next(b for b in rows if b >= len(group))
-      return CALL_PAGES + n * next(b for b in spans if b >= self.pool.held[group[-1]])
+    def cost(i, j):  # slots i..j-1 in one call
+      return self.call_seconds[(next(b for b in rows if b >= j - i), span[j - 1])]
 
-    best, split = cost(by_held), None
-    for i in range(1, len(by_held)):
-      c = cost(by_held[:i]) + cost(by_held[i:])
-      if c < best:
-        best, split = c, i
-    return [by_held] if split is None else [by_held[:split], by_held[split:]]
+    best = {0: (0.0, [])}  # cut -> (seconds, the cuts before it)
+    for j in cuts[1:]:
+      best[j] = min((best[i][0] + cost(i, j), best[i][1] + [i]) for i in cuts if i < j)
+    bounds = best[n][1][1:] + [n]
+    return [by_held[i:j] for i, j in zip([0] + bounds[:-1], bounds)]
 
   def _preempt(self) -> None:
     slot = max((s for s, r in enumerate(self.slots) if r is not None),

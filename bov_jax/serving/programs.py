@@ -15,6 +15,7 @@ instead of one per shape."""
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -216,6 +217,32 @@ class Programs:
     for rows in self.row_buckets:
       for held in self.page_buckets:
         self.decode(zeros, none, pages, sampling, zeros, held, rows)
+
+  def time_decode(self, num_pages: int, runs: int = 2) -> dict:
+    """Seconds a decode call of each bucket (rows, span) takes, the fastest of `runs`:
+    every row active, reading distinct pages where the pool has them. A call's cost is
+    no product of its rows and pages (on a CPU it jumps where a call's cache outgrows the
+    processor's caches), so the engine plans its calls from these, as vLLM sizes its
+    cache from a profiling run. Call before any sequence is in flight: the calls write
+    into pages no sequence holds, and a prefill sets all a sequence reads."""
+    S, M = self.slots, self.max_pages
+    table = (1 + np.arange(S * M) % (num_pages - 1)).reshape(S, M).astype(np.int32)
+    zeros = np.zeros(S, np.int32)
+    sampling = (np.zeros(S, np.float32), zeros, np.ones(S, np.float32), zeros)
+    zero = lambda x: jnp.zeros_like(x, device=x.sharding)  # noqa: E731
+    out = {}
+    for rows in self.row_buckets:
+      active = np.arange(S) < rows
+      for span in self.page_buckets:
+        best = float("inf")
+        for _ in range(runs):
+          self.cache = dict(self.cache, pos=zero(self.cache["pos"]))
+          t0 = time.perf_counter()
+          self.decode(zeros, active, table, sampling, zeros, span, rows)
+          best = min(best, time.perf_counter() - t0)
+        out[(rows, span)] = best
+    self.cache = dict(self.cache, pos=zero(self.cache["pos"]), prev=zero(self.cache["prev"]))
+    return out
 
 
 def _powers(lo: int, hi: int) -> list[int]:
