@@ -92,6 +92,8 @@ def test_greedy_tokens_do_not_depend_on_what_else_is_in_flight(tiny_run, budget_
     assert engine.limits.num_pages == budget_pages
   engine.start()
   compiled = [f._cache_size() for f in (engine.programs._prefill, engine.programs._decode)]
+  buckets = {(r, s) for r in engine.programs.row_buckets for s in engine.programs.page_buckets}
+  assert set(engine.call_seconds) == buckets  # every decode bucket timed at start-up
   try:
     ids = [engine.tok.encode(p) for p in PROMPTS]
     lengths = [40, 12, 33, 5, 24, 17]
@@ -144,6 +146,26 @@ def test_decode_calls_are_planned_from_their_timed_costs(tiny_run):
   assert len(engine._groups(np.arange(32))) == 1
   engine.call_seconds[(32, 8)] = 2 * engine.call_seconds[(16, 8)] + 0.1
   assert [len(g) for g in engine._groups(np.arange(32))] == [16, 16]
+
+
+def test_requests_wait_while_the_next_call_needs_the_free_pages(tiny_run):
+  """4 free pages of 16 positions, 16 decode steps a call, three requests of 15-token
+  prompts and 40 tokens to draw: each needs 1 page for its prompt and 2 by the end of
+  its first call. The first two are admitted (2 + 2 pages); the third's prompt would
+  fit the free pages, but they go to the others' growth: it waits, and no sequence is
+  preempted for it. When the first ends, it is admitted."""
+  engine, _ = load.engine(tiny_run, slots=4, page_size=16, cache_bytes=None, max_queue=4,
+                          decode_steps=16)
+  engine, _ = load.engine(tiny_run, slots=4, page_size=16, max_queue=4, decode_steps=16,
+                          cache_bytes=5 * _page_bytes(engine))
+  for _ in range(3):
+    engine.submit(engine_lib.Request(prompt=list(range(1, 16)), max_tokens=40,
+                                     on_event=lambda *a: None))
+  admitted = engine._admit()
+  assert [slot for slot, _ in admitted] == [0, 1] and len(engine.queue) == 1
+  assert len(engine.pool.free) == 2
+  engine._free(0)  # the first ends: its page serves the third's growth
+  assert [slot for slot, _ in engine._admit()] == [0] and not engine.queue
 
 
 def test_engine_settings_out_of_range_are_named(tiny_run):

@@ -208,19 +208,35 @@ class Engine:
     self.queue = collections.deque(r for r in self.queue if not r.cancelled)
 
   def _admit(self) -> list[tuple[int, Request]]:
-    """Waiting requests into free slots, oldest first, while their prompts' pages fit."""
+    """Waiting requests into free slots, oldest first, while the free pages hold their
+    prompts and the next decode call's growth of every sequence in flight (theirs
+    included): a request admitted into pages that the next call needs would only be
+    preempted again (vLLM keeps a watermark of free blocks likewise)."""
     out = []
+    reserve = sum(self.pool.pages_for(self._reach(r)) - self.pool.held[s]
+                  for s, r in enumerate(self.slots) if r is not None)
     for slot in range(self.limits.slots):
       if self.slots[slot] is not None or not self.queue:
         continue
       request = self.queue[0]
+      need = self.pool.pages_for(self._reach(request, ahead=1))  # after its prefill's token
+      if need + reserve > len(self.pool.free):
+        break
       if not self.pool.grow(slot, len(request.prompt) + len(request.generated)):
         break
+      reserve += need - self.pool.held[slot]
       self.queue.popleft()
       request.order = next(self.admitted)
       self.slots[slot] = request
       out.append((slot, request))
     return out
+
+  def _reach(self, request: Request, ahead: int = 0) -> int:
+    """The positions a request's next decode call writes: its next `decode_steps`, at
+    least one, no more than it can use (`ahead`: tokens it draws before that call)."""
+    position = len(request.prompt) + len(request.generated) + ahead - 1
+    last = min(len(request.prompt) + request.max_tokens - 1, self.limits.context)
+    return max(position + 1, min(position + self.limits.decode_steps, last))
 
   def _prefill(self, admitted: list[tuple[int, Request]]) -> None:
     """The admitted requests' prompts into their slots, those of one padded length
@@ -251,9 +267,7 @@ class Engine:
       request = self.slots[slot]
       if request is None:
         continue
-      position = len(request.prompt) + len(request.generated) - 1
-      last = min(len(request.prompt) + request.max_tokens - 1, self.limits.context)
-      while not self.pool.grow(slot, max(position + 1, min(position + steps, last))):
+      while not self.pool.grow(slot, self._reach(request)):
         self._preempt()
         if self.slots[slot] is None:
           break
