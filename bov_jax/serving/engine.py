@@ -1,16 +1,19 @@
 """A long-lived engine: the model held once, requests decoded by continuous batching.
 
 Requests wait in a queue. Between decode calls the engine prefills waiting requests into
-free slots; then one jitted decode call advances every active slot by `decode_steps`
+free slots; then jitted decode calls (as many as take the least time, from each call
+shape's time measured at start-up) advance every active slot by `decode_steps`
 tokens (what a slot draws past its end is dropped); a sequence that finishes (or whose
 client went away) frees its slot and its pages when the call returns. The cache is
 paged (pages.py): a pool sized from a byte budget, pages taken as a sequence grows and
 returned when it ends; a bank layer's pages hold keys only, so a BoV model fits more
-sequences in the same bytes. When a growing sequence finds no free page, the newest
-sequence in flight gives its pages back and waits at the head of the queue, to be
-prefilled again with what it has generated (vLLM's recompute preemption), so no request
-is lost and the oldest always progress. As JetStream's prefill/insert/generate and
-levanter's inference engine, in one background thread.
+sequences in the same bytes. A request is admitted only while the free pages also
+cover the next call's growth of the sequences in flight. When a growing sequence
+finds no free page all the same, the newest sequence in flight gives its pages back
+and waits at the head of the queue, to be prefilled again with what it has generated
+(vLLM's recompute preemption), so no request is lost and the oldest always progress.
+As JetStream's prefill/insert/generate and levanter's inference engine, in one
+background thread.
 """
 
 from __future__ import annotations
