@@ -111,7 +111,7 @@ class Engine:
     self.admitted = itertools.count()
     self.recent = collections.deque()  # (time, tokens) of the last decode steps
     self.counts = collections.Counter()  # requests, tokens, preemptions
-    self.call_seconds = None  # {(rows, span): seconds} of a decode call, timed by warm()
+    self.call_seconds = None  # {(rows, span): a decode call's seconds}, from warm()
     self.ttft: collections.deque[float] = collections.deque(maxlen=4096)
 
   # -- the API's side ----------------------------------------------------------------
@@ -177,12 +177,12 @@ class Engine:
         self._end(self.queue.popleft(), "abort")
 
   def warm(self) -> None:
+    """Compiles every program, and times the decode calls (`call_seconds`)."""
     table = self.pool.table  # all page 0: the writes land on the page no sequence holds
     for length in self.prefill_lengths:
       for rows in self.programs.prefill_rows:
         self.programs.prefill([(0, [0], 0)] * rows, length, table, self.sampling.all())
-    self.programs.warm(table)
-    self.call_seconds = self.programs.time_decode(self.limits.num_pages)
+    self.call_seconds = self.programs.warm(self.limits.num_pages)
 
   # -- the engine's thread -------------------------------------------------------------
 
