@@ -3,6 +3,7 @@ on their smallest inputs and print their JSON contracts (numbers are not asserte
 claims live in the benchmark output, not in tests)."""
 import json
 import platform
+import subprocess
 import sys
 
 import pytest
@@ -419,13 +420,19 @@ def test_bench_serve_names_the_missing_vllm_environment():
 def test_serve_ratios_pair_each_round_and_the_median_runs():
   """benchmarks/serve.py's ratios: tokens/s of the median runs, and round by round (the
   systems of a round ran back to back, so the machine's drift cancels within it)."""
-  from benchmarks import serve
   recs = [dict(system="engine", tokens_per_s=300.0, runs_tokens_per_s=[200.0, 300.0, 400.0],
                in_flight_mean=12.0, cache_bytes_per_position=5.0),
           dict(system="static", tokens_per_s=150.0, runs_tokens_per_s=[50.0, 150.0, 200.0]),
           dict(system="baseline", tokens_per_s=1.0, runs_tokens_per_s=[1.0, 1.0, 1.0],
                in_flight_mean=10.0, cache_bytes_per_position=6.0)]
-  out = serve.ratios(recs)
+  # in a process of its own: benchmarks.serve's flags would collide with serve_compile's
+  # (both define --page_size) in a test process that imports the two
+  code = ("import json, sys; from benchmarks import serve; "
+          "print(json.dumps(serve.ratios(json.loads(sys.argv[1]))))")
+  run = subprocess.run([sys.executable, "-c", code, json.dumps(recs)], capture_output=True,
+                       text=True, cwd=ROOT, timeout=300)
+  assert run.returncode == 0, run.stderr[-2000:]
+  out = json.loads(run.stdout.strip().splitlines()[-1])
   assert out["engine_over_static_tokens_per_s"] == 2.0
   assert out["engine_over_static_tokens_per_s_rounds"] == [4.0, 2.0, 2.0]
   assert out["bov_over_baseline_in_flight_mean"] == 1.2
